@@ -1,0 +1,1 @@
+"""skycap: capture what an LLM policy saw and sampled, as training data."""

@@ -1,0 +1,1 @@
+"""Text mode: forward calls to an OpenAI-compatible server and record what comes back."""
