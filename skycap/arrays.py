@@ -11,7 +11,7 @@ import numpy as np
 
 
 class PackedArrayError(ValueError):
-    """An array envelope that cannot be decoded; the message always starts `invalid packed array`."""
+    """An array envelope that cannot be decoded; messages start `invalid packed array`."""
 
 
 def pack(array: np.ndarray) -> dict[str, Any]:
@@ -28,7 +28,9 @@ def pack(array: np.ndarray) -> dict[str, Any]:
 def unpack(envelope: Any) -> np.ndarray:
     """Decode an envelope; any malformation raises PackedArrayError naming what is wrong."""
     if not isinstance(envelope, dict):
-        raise PackedArrayError(f"invalid packed array: expected an object, got {type(envelope).__name__}")
+        raise PackedArrayError(
+            f"invalid packed array: expected an object, got {type(envelope).__name__}"
+        )
     data, shape, dtype = envelope.get("data"), envelope.get("shape"), envelope.get("dtype")
     if not isinstance(data, str):
         raise PackedArrayError("invalid packed array: `data` must be a base64 string")

@@ -1,0 +1,1 @@
+"""The `skycap` command line: one module per subcommand, loaded only when it runs."""

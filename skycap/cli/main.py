@@ -1,0 +1,61 @@
+"""The `skycap` entry point: dispatches to one module per subcommand, imported lazily.
+
+Each subcommand module exposes `HELP` (one line), `configure(parser)` and `run(args) -> int`,
+and imports heavy dependencies (mitmproxy, transformers) inside `run`, so that `skycap check`
+starts fast and never loads mitmproxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib.metadata import version
+
+SUBCOMMANDS = {
+    "demo": "skycap.cli.demo",
+    "serve": "skycap.cli.serve",
+    "check": "skycap.cli.check",
+    "summary": "skycap.cli.summary",
+    "validate": "skycap.cli.validate",
+    "view": "skycap.cli.view",
+    "top": "skycap.cli.top",
+    "ca": "skycap.cli.ca",
+}
+
+
+def _available() -> dict[str, str]:
+    """Subcommands whose module exists in this build."""
+    return {
+        name: module
+        for name, module in SUBCOMMANDS.items()
+        if importlib.util.find_spec(module) is not None
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skycap",
+        description="Capture what an LLM policy saw and sampled while an agent harness runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"skycap {version('skycap')}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in _available().items():
+        module = importlib.import_module(module_name)
+        module.configure(subparsers.add_parser(name, help=module.HELP, description=module.HELP))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[args.command])
+    return module.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

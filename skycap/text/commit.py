@@ -1,0 +1,54 @@
+"""The text-mode commit: place one call's messages and reply in the graph (graph.md §6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skycap.graph import CLIENT, MODEL, Node
+from skycap.hashing import model_key, text_match, text_model_delta
+from skycap.trajectory import Trajectory
+
+
+def commit_text_call(
+    trajectory: Trajectory,
+    request: dict[str, Any],
+    reply: dict[str, Any],
+    call: dict[str, Any],
+) -> Node | None:
+    """Commit the request's messages and the reply; return the model node, or None if sealed.
+
+    `request` is the parsed chat body (already checked: `messages` is a list of objects);
+    `reply` is the first choice's message exactly as returned; `call` is the call record
+    without `tools` and `bridged`, which are filled in here.
+    """
+    if not trajectory.is_open:
+        return None
+    graph = trajectory.graph
+    tools_key = trajectory.register_tools(request.get("tools"))
+    model = model_key(request.get("model"))
+    key = tools_key or ""
+    messages = request["messages"]
+    hashes = [text_match(m, key, model) for m in messages]
+    matched = graph.walk(hashes)
+    parent = matched[-1] if matched else None
+    t_start = call["t_start"]
+    for message, match in zip(messages[len(matched) :], hashes[len(matched) :], strict=True):
+        parent = graph.add(
+            parent,
+            author=CLIENT,
+            message=message,
+            match_hash=match,
+            delta_hash=match,
+            created_at=t_start,
+        ).id
+    match = text_match(reply, key, model)
+    node = graph.add(
+        parent,
+        author=MODEL,
+        message=reply,
+        match_hash=match,
+        delta_hash=text_model_delta(match, call["sampling"]),
+        created_at=call["t_end"],
+    )
+    node.calls.append({**call, "tools": tools_key, "bridged": None})
+    return node
