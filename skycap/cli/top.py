@@ -1,0 +1,84 @@
+"""`skycap top URL...`: a live terminal dashboard over one or more capture servers."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import sys
+import time
+from collections.abc import Iterator
+
+HELP = "live dashboard of capture servers: modes, rates, failures and live trajectories"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("urls", nargs="+", metavar="URL", help="capture server base URL")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument(
+        "--sort",
+        default="age",
+        choices=["age", "calls", "nodes", "paths", "unbridged", "failures", "latency"],
+        help="initial sort column (keys a/c/n/p/u/f/l change it live)",
+    )
+
+
+@contextlib.contextmanager
+def _cbreak() -> Iterator[bool]:
+    """Single-key input without echo when stdin is a terminal; yields whether keys work."""
+    if not sys.stdin.isatty():
+        yield False
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield True
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _read_key(timeout: float) -> str | None:
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    return os.read(sys.stdin.fileno(), 1).decode(errors="ignore") if ready else None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        print(f"skycap top: --interval must be positive, got {args.interval}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+    from rich.live import Live
+
+    from skycap.dashboard import SORT_KEYS, Poller, render
+
+    sort = next(k for k, (label, _) in SORT_KEYS.items() if label == args.sort)
+    poller = Poller(args.urls)
+    # Scripts read `--once` from a pipe: give them whole rows instead of 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    try:
+        if args.once:
+            poller.poll()
+            console.print(render(poller.servers, sort, footer=False))
+            return 0
+        with _cbreak() as keys, Live(console=console, screen=False, auto_refresh=False) as live:
+            while True:
+                poller.poll()
+                live.update(render(poller.servers, sort), refresh=True)
+                deadline = time.monotonic() + args.interval
+                while (left := deadline - time.monotonic()) > 0:
+                    key = _read_key(left) if keys else time.sleep(left)
+                    if key == "q":
+                        return 0
+                    if key in SORT_KEYS:
+                        sort = key
+                        live.update(render(poller.servers, sort), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        poller.close()

@@ -1,0 +1,194 @@
+"""The live dashboard behind `skycap top`: polls capture servers and draws rich tables.
+
+It reads only `GET /healthz` and `GET /trajectories` (D-7), so it works against any
+skycap server and never imports mitmproxy. Rates come from the cumulative counters of two
+consecutive polls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+SORT_KEYS = {
+    "a": ("age", lambda t: t.get("age_s") or 0.0),
+    "c": ("calls", lambda t: t.get("calls") or 0),
+    "n": ("nodes", lambda t: t.get("nodes") or 0),
+    "p": ("paths", lambda t: t.get("paths") or 0),
+    "u": ("unbridged", lambda t: t.get("unbridged_calls") or 0),
+    "f": ("failures", lambda t: t.get("failures") or 0),
+    "l": ("latency", lambda t: (t.get("last_call") or {}).get("latency_ms") or 0.0),
+}
+DEFAULT_SORT = "a"
+
+
+@dataclass
+class ServerState:
+    """What the dashboard knows of one server: its last answers and the derived rates."""
+
+    url: str
+    up: bool = False
+    error: str | None = None
+    health: dict[str, Any] = field(default_factory=dict)
+    trajectories: list[dict[str, Any]] = field(default_factory=list)
+    calls_per_s: float | None = None
+    tokens_per_s: float | None = None
+    _last: tuple[float, int, int] | None = None
+
+    def update(self, health: dict[str, Any], trajectories: list[dict[str, Any]]) -> None:
+        now = time.monotonic()
+        calls, tokens = int(health.get("calls_total") or 0), int(health.get("tokens_total") or 0)
+        if self._last is not None and now > self._last[0]:
+            elapsed = now - self._last[0]
+            self.calls_per_s = max(0, calls - self._last[1]) / elapsed
+            self.tokens_per_s = max(0, tokens - self._last[2]) / elapsed
+        self._last = (now, calls, tokens)
+        self.up, self.error, self.health, self.trajectories = True, None, health, trajectories
+
+    def mark_down(self, error: str) -> None:
+        self.up, self.error = False, error
+        self.calls_per_s = self.tokens_per_s = None
+        self._last = None
+
+
+class Poller:
+    """Polls every server once per `poll()`; a server that fails is shown as down."""
+
+    def __init__(self, urls: list[str], *, timeout: float = 2.0) -> None:
+        self.servers = [ServerState(url.rstrip("/")) for url in urls]
+        self._client = httpx.Client(timeout=timeout, trust_env=False)
+
+    def poll(self) -> None:
+        for server in self.servers:
+            try:
+                health = self._get_json(f"{server.url}/healthz")
+                listing = self._get_json(f"{server.url}/trajectories")
+            except (httpx.HTTPError, ValueError) as exc:
+                server.mark_down(_describe(exc))
+                continue
+            rows = listing if isinstance(listing, list) else listing.get("trajectories", [])
+            server.update(health, rows)
+
+    def _get_json(self, url: str) -> Any:
+        response = self._client.get(url)
+        response.raise_for_status()
+        return response.json()
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code}"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds / 3600:.0f}h{seconds % 3600 / 60:02.0f}m"
+
+
+def servers_table(servers: list[ServerState]) -> Table:
+    table = Table(title="capture servers", title_justify="left", expand=True)
+    for column in ("server", "state", "mode", "open", "calls/s", "tokens/s", "failures"):
+        table.add_column(column, justify="left" if column in ("server", "state") else "right")
+    for server in servers:
+        if not server.up:
+            table.add_row(
+                server.url, Text(f"down: {server.error}", style="bold red"), "-", "-", "-", "-", "-"
+            )
+            continue
+        health = server.health
+        mode = (health.get("capture") or {}).get("mode", "?")
+        failures = int(health.get("failures_total") or 0)
+        table.add_row(
+            server.url,
+            Text("up", style="green"),
+            mode,
+            str(health.get("open_trajectories", "-")),
+            _rate(server.calls_per_s),
+            _rate(server.tokens_per_s) if mode == "tokens" else "-",
+            Text(str(failures), style="red" if failures else ""),
+        )
+    return table
+
+
+def _cell(value: int, style: str) -> Text:
+    return Text(str(value), style=style if value else "")
+
+
+def trajectories_table(servers: list[ServerState], sort: str = DEFAULT_SORT) -> Table:
+    label, key = SORT_KEYS[sort]
+    rows = [(server, t) for server in servers if server.up for t in server.trajectories]
+    rows.sort(key=lambda pair: key(pair[1]), reverse=True)
+    table = Table(
+        title=f"live trajectories ({len(rows)}), sorted by {label}",
+        title_justify="left",
+        expand=True,
+    )
+    columns = (
+        "id",
+        "task",
+        "step",
+        "status",
+        "age",
+        "calls",
+        "nodes",
+        "paths",
+        "unbridged",
+        "failures",
+        "last ms",
+        "finish",
+    )
+    for column in columns:
+        table.add_column(
+            column, justify="right" if column not in ("id", "task", "status", "finish") else "left"
+        )
+    for server, t in rows:
+        meta = t.get("meta") or {}
+        last = t.get("last_call") or {}
+        paths = int(t.get("paths") or 0)
+        latency = last.get("latency_ms")
+        table.add_row(
+            str(t.get("id", "?")) + ("" if len(servers) == 1 else f" @{server.url}"),
+            str(meta.get("task", meta.get("task_id", "-"))),
+            str(meta.get("step", "-")),
+            Text(str(t.get("status", "?")), style="" if t.get("status") == "open" else "red"),
+            _age(t.get("age_s")),
+            str(t.get("calls", 0)),
+            str(t.get("nodes", 0)),
+            Text(str(paths), style="yellow" if paths > 1 else ""),
+            _cell(int(t.get("unbridged_calls") or 0), "magenta"),
+            _cell(int(t.get("failures") or 0), "bold red"),
+            "-" if latency is None else f"{latency:,.0f}",
+            str(last.get("finish_reason") or "-"),
+        )
+    return table
+
+
+def render(servers: list[ServerState], sort: str = DEFAULT_SORT, *, footer: bool = True) -> Group:
+    parts: list[Any] = [servers_table(servers), trajectories_table(servers, sort)]
+    if footer:
+        keys = "  ".join(f"{k}={label}" for k, (label, _) in SORT_KEYS.items())
+        parts.append(Text(f"sort: {keys}   q=quit", style="dim"))
+    return Group(*parts)
