@@ -53,7 +53,8 @@ def unpack(envelope: Any) -> np.ndarray:
         raise PackedArrayError(
             f"invalid packed array: {len(raw)} bytes for shape {shape} of {dt.name}"
         )
-    return np.frombuffer(raw, dtype=dt).reshape(shape)
+    # A bytearray makes the array writable (torch.from_numpy warns on read-only memory).
+    return np.frombuffer(bytearray(raw), dtype=dt).reshape(shape)
 
 
 def rows_to_csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
