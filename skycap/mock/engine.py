@@ -1,0 +1,480 @@
+"""A scripted vLLM engine on a real socket (`POST /inference/v1/generate`, `GET /v1/models`).
+
+Used by tests, `skycap demo` (deterministic, no network) and benchmarks, so it needs no
+pytest. Replies come from a queue of scripted texts, then from a script function (by
+default a short deterministic tool-calling episode derived from the prompt). Each text is
+encoded with the given tokenizer plus the stop token, and answered in the http.md §10.2
+shape with deterministic logprobs, routed experts and sampling masks, so tests can check
+exactly what was captured. Faults can be injected per call.
+
+    engine = ScriptedEngine(tokenizer)
+    url = engine.start()
+    engine.queue("<think>\\nok\\n</think>\\n\\nHello.")
+    engine.fail_next("http_500")
+    ...
+    engine.stop()
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+
+GENERATE_PATH = "/inference/v1/generate"
+
+#: Fault modes accepted by `ScriptedEngine.fail_next`.
+FAULTS = frozenset(
+    {
+        "no_choices",  # 200 with "choices": []
+        "empty_token_ids",  # 200 with an empty completion
+        "no_logprobs",  # 200 with "logprobs": null
+        "short_logprobs",  # 200 with one logprob fewer than completion tokens
+        "experts_rank",  # 200 with 2-D routed experts
+        "experts_coverage",  # 200 with two routed-expert rows missing
+        "not_json",  # 200 whose body is not JSON
+        "http_500",  # 500 with a JSON error body
+        "http_400",  # 400 with a JSON error body
+        "hang",  # no answer until release() (then a normal answer) or stop() (then a close)
+        "close",  # the connection is closed without an answer
+    }
+)
+
+#: Distinct expert ids the scripted router picks from.
+NUM_EXPERTS = 64
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A scripted completion.
+
+    "stop": the text's tokens plus the stop token. "length": the text's tokens only (a
+    reply cut off, e.g. inside a thinking block). Either way the completion is cut at the
+    request's `max_tokens`, which makes the finish reason "length".
+    """
+
+    text: str
+    finish_reason: str = "stop"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request the engine received, as decoded JSON (None if the body was not JSON)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+Script = Callable[[dict[str, Any]], Reply | str]
+
+
+def scripted_logprob(token_id: int, position: int) -> float:
+    """The logprob the engine reports for `token_id` sampled at absolute `position`."""
+    return -(((token_id + position) % 100) + 1) / 100
+
+
+def scripted_experts(token_ids: Sequence[int], start: int, layers: int, k: int) -> np.ndarray:
+    """Routed experts for positions [start, len-1) of a sequence: shape [rows, layers, k], uint8.
+
+    Row p depends on the token at p and on p itself, so a test can tell which position a
+    stored row came from.
+    """
+    ids = np.asarray(token_ids[start : len(token_ids) - 1], dtype=np.int64)
+    pos = np.arange(start, start + len(ids), dtype=np.int64)
+    base = (ids * 7 + pos * 3)[:, None, None]
+    grid = base + np.arange(layers)[None, :, None] * 5 + np.arange(k)[None, None, :]
+    return (grid % NUM_EXPERTS).astype(np.uint8)
+
+
+def npy_base64(array: np.ndarray) -> str:
+    """Base64 of a `.npy` file, the engine's routed-experts encoding (http.md §10.2)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class ScriptedEngine:
+    """A deterministic vLLM generate endpoint on 127.0.0.1, served from its own thread."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        replies: Iterable[Reply | str] = (),
+        script: Script | None = None,
+        stop_token: str = "<|im_end|>",
+        experts: tuple[int, int] | None = (4, 2),
+        sampling_mask: bool = False,
+        model: str = "scripted-policy",
+    ) -> None:
+        """`tokenizer` is a transformers tokenizer or a path/name to load one from.
+
+        `experts` is (layers, k) for routed experts, or None to answer `null`.
+        """
+        self._tokenizer = _as_tokenizer(tokenizer)
+        self._encode_lock = threading.Lock()
+        self.stop_token_id = _single_token_id(self._tokenizer, stop_token)
+        if self.stop_token_id is None:
+            raise ValueError(f"stop token {stop_token!r} is not a single token of this tokenizer")
+        self._tool_response_id = _single_token_id(self._tokenizer, "<tool_response>")
+        self._replies: deque[Reply | str] = deque(replies)
+        self._script: Script = script or self.default_reply
+        self.experts = experts
+        self.sampling_mask = sampling_mask
+        self.model = model
+        self.requests: list[Request] = []
+        self._faults: list[list[Any]] = []
+        self._hangs: list[threading.Event] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Listen on 127.0.0.1 (a free port) and return the engine root URL."""
+        if self._server is not None:
+            raise RuntimeError(f"scripted engine already running at {self.url}")
+        self._stopping = False
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.engine = self
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.02},  # stop() waits up to one interval
+            name="scripted-engine",
+            daemon=True,
+        )
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving: hung calls and open connections are closed without an answer."""
+        if self._server is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._wake_hangs()
+        self._server.shutdown()
+        self._server.close_connections()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = self._thread = None
+
+    def __enter__(self) -> ScriptedEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- scripting ---------------------------------------------------------------------
+
+    def queue(self, *replies: Reply | str) -> None:
+        """Answer the next generate calls with these replies, before the script function."""
+        with self._cond:
+            self._replies.extend(replies)
+
+    def fail_next(self, fault: str, times: int | None = 1) -> None:
+        """Make the next `times` generate calls (None: every call until clear_faults) fail."""
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; use one of {sorted(FAULTS)}")
+        if times is not None and times < 1:
+            raise ValueError(f"times must be >= 1 or None, got {times!r}")
+        with self._cond:
+            self._faults.append([fault, times])
+
+    def clear_faults(self) -> None:
+        with self._cond:
+            self._faults.clear()
+
+    def release(self) -> None:
+        """Let every hung call answer normally."""
+        with self._cond:
+            self._wake_hangs()
+
+    def wait_for_requests(self, count: int, timeout: float = 5.0) -> None:
+        """Block until `count` requests have arrived; TimeoutError otherwise."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.requests) >= count, timeout):
+                raise TimeoutError(
+                    f"scripted engine got {len(self.requests)} requests, expected {count} "
+                    f"within {timeout} s"
+                )
+
+    def default_reply(self, body: dict[str, Any]) -> Reply:
+        """A deterministic episode: call the first offered tool twice, then answer.
+
+        Depends only on the prompt: its length, the tools block and how many tool results
+        it already holds.
+        """
+        prompt = body["token_ids"]
+        head = self._decode(prompt[:4096])
+        tool = re.search(r'<tools>.*?"name":\s*"([^"]+)"', head, re.DOTALL)
+        if self._tool_response_id is not None:
+            results = prompt.count(self._tool_response_id)
+        else:
+            results = self._decode(prompt).count("<tool_response>")
+        if tool and results < 2:
+            name = tool.group(1)
+            args = json.dumps({"query": f"step {results + 1}"})
+            return Reply(
+                f"<think>\nStep {results + 1}: I will call {name}.\n</think>\n\n"
+                f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+            )
+        return Reply(
+            f"<think>\nThe prompt has {len(prompt)} tokens.\n</think>\n\n"
+            f"Done: read {results} tool results in a {len(prompt)}-token prompt."
+        )
+
+    # -- serving -----------------------------------------------------------------------
+
+    def _wake_hangs(self) -> None:
+        for event in self._hangs:
+            event.set()
+        self._hangs.clear()
+
+    def _take_fault(self) -> str | None:
+        with self._cond:
+            if not self._faults:
+                return None
+            entry = self._faults[0]
+            if entry[1] is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._faults.pop(0)
+            return entry[0]
+
+    def _record(self, request: Request) -> None:
+        with self._cond:
+            self.requests.append(request)
+            self._cond.notify_all()
+
+    def _hang(self) -> bool:
+        """Wait until released (True) or stopped (False)."""
+        event = threading.Event()
+        with self._cond:
+            if self._stopping:
+                return False
+            self._hangs.append(event)
+        event.wait()
+        return not self._stopping
+
+    def _generate(self, body: Any) -> tuple[int, bytes] | None:
+        """(status, JSON bytes) for a generate call, or None to close the connection."""
+        fault = self._take_fault()
+        if fault == "close" or (fault == "hang" and not self._hang()):
+            return None
+        if fault == "not_json":
+            return 200, b"<html>this is not JSON</html>"
+        if fault in ("http_500", "http_400"):
+            status = int(fault[-3:])
+            return status, _json({"error": {"message": f"scripted engine fault {fault}"}})
+        problem = _bad_request(body)
+        if problem:
+            return 400, _json({"error": {"message": problem}})
+        with self._cond:
+            reply = self._replies.popleft() if self._replies else None
+        reply = reply if reply is not None else self._script(body)
+        return 200, _json(self._answer(body, reply, fault))
+
+    def _answer(
+        self, body: dict[str, Any], reply: Reply | str, fault: str | None
+    ) -> dict[str, Any]:
+        if isinstance(reply, str):
+            reply = Reply(reply)
+        prompt: list[int] = body["token_ids"]
+        params = body.get("sampling_params") or {}
+        ids, finish = self._completion(reply, params.get("max_tokens"))
+        if fault == "empty_token_ids":
+            ids = []
+        logprobs = [
+            {"token": f"token_id:{t}", "logprob": scripted_logprob(t, len(prompt) + i)}
+            for i, t in enumerate(ids)
+        ]
+        if fault == "short_logprobs":
+            logprobs = logprobs[:-1]
+        choice = {
+            "index": 0,
+            "token_ids": ids,
+            "logprobs": None if fault == "no_logprobs" else {"content": logprobs},
+            "finish_reason": finish,
+            "routed_experts": self._experts(prompt + ids, params, fault),
+            "sampling_mask": [[t, t + 1] for t in ids] if self.sampling_mask else None,
+        }
+        with self._cond:
+            number = len(self.requests)
+        return {
+            "request_id": f"gen-{number}",
+            "model": body.get("model") or self.model,
+            "created": int(time.time()),
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt) + len(ids),
+            },
+            "choices": [] if fault == "no_choices" else [choice],
+        }
+
+    def _completion(self, reply: Reply, max_tokens: Any) -> tuple[list[int], str]:
+        ids = self._encode(reply.text)
+        if reply.finish_reason == "stop":
+            ids.append(self.stop_token_id)
+        if isinstance(max_tokens, int) and 0 <= max_tokens < len(ids):
+            return ids[:max_tokens], "length"
+        return ids, reply.finish_reason
+
+    def _experts(
+        self, sequence: list[int], params: dict[str, Any], fault: str | None
+    ) -> str | None:
+        if self.experts is None:
+            return None
+        layers, k = self.experts
+        start = params.get("routed_experts_prompt_start") or 0
+        rows = scripted_experts(sequence, start, layers, k)
+        if fault == "experts_rank":
+            rows = rows[:, :, 0]
+        elif fault == "experts_coverage":
+            rows = rows[:-2]
+        return npy_base64(rows)
+
+    def _encode(self, text: str) -> list[int]:
+        with self._encode_lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        with self._encode_lock:
+            return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _bad_request(body: Any) -> str | None:
+    """What vLLM would reject with a 400, or None."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    ids = body.get("token_ids")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        return "token_ids must be a non-empty list of non-negative integers"
+    params = body.get("sampling_params", {})
+    if not isinstance(params, dict):
+        return "sampling_params must be an object"
+    start = params.get("routed_experts_prompt_start", 0)
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
+        return f"routed_experts_prompt_start must be in [0, {len(ids)}), got {start!r}"
+    return None
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def _as_tokenizer(tokenizer: Any) -> Any:
+    if isinstance(tokenizer, str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    return tokenizer
+
+
+class _Server(ThreadingHTTPServer):
+    """Tracks open connections so stop() can close keep-alive clients too."""
+
+    daemon_threads = True
+    engine: ScriptedEngine
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+
+    def close_connections(self) -> None:
+        with self.connections_lock:
+            for conn in self.connections:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self.connections.clear()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # Headers and body leave in one segment, without Nagle: no 40 ms delayed-ACK stalls.
+    wbufsize = 1 << 16
+    disable_nagle_algorithm = True
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.connections_lock:
+            self.server.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.connections_lock:
+            self.server.connections.discard(self.connection)
+        super().finish()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: tests and the demo read `engine.requests` instead."""
+
+    def do_GET(self) -> None:
+        engine = self.server.engine
+        engine._record(Request("GET", self.path, dict(self.headers.items()), None))
+        if self.path.split("?", 1)[0] != "/v1/models":
+            self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
+            return
+        model = {"id": engine.model, "object": "model", "owned_by": "scripted-engine"}
+        self._send(200, _json({"object": "list", "data": [model]}))
+
+    def do_POST(self) -> None:
+        engine = self.server.engine
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        engine._record(Request("POST", self.path, dict(self.headers.items()), body))
+        if self.path.split("?", 1)[0] != GENERATE_PATH:
+            self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
+            return
+        answer = engine._generate(body)
+        if answer is None:
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by stop()
+            return
+        self._send(*answer)
+
+    def _send(self, status: int, payload: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)

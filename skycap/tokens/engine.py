@@ -1,0 +1,263 @@
+"""The engine wire: sampling merge, the vLLM `/inference/v1/generate` request body and reply reader.
+
+No HTTP happens here; the turn runner posts `VLLMEngine.request(...)` and hands the decoded
+JSON to `VLLMEngine.parse(...)` (http.md §9.3, §10, §11). Other engines subclass VLLMEngine.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from skycap.arrays import PackedArrayError, unpack
+
+#: Request fields that are caller sampling parameters when present and non-null (http.md §9.1).
+CALLER_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+EXPERT_DTYPES = ("uint8", "uint16")
+
+
+class EngineError(Exception):
+    """The engine's reply cannot be used; the turn answers 502 `engine: <message>`."""
+
+
+@dataclass
+class EngineOutput:
+    """One completion as the engine reported it (http.md §11)."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    routed_experts: np.ndarray | None = None
+    routed_start: int = 0
+    sampling_mask: list[list[int]] | None = None
+
+
+def caller_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's sampling parameters from a chat request: the §9.1 fields, when non-null."""
+    return {k: body[k] for k in CALLER_SAMPLING_FIELDS if body.get(k) is not None}
+
+
+def _fold_max_completion_tokens(side: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(side)
+    if "max_completion_tokens" in out:
+        out["max_tokens"] = out.pop("max_completion_tokens")
+    return out
+
+
+def merge_sampling(
+    caller: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    *,
+    room: int | None,
+    stop_token_ids: Sequence[int],
+) -> dict[str, Any]:
+    """Merge caller parameters and `--sampling-overrides` (http.md §9.3 steps 1-4).
+
+    `room` is `max_model_len - len(prompt)` when `--max-model-len` is set, else None.
+    The result includes `stop_token_ids` (the renderer's unless an override set them); the
+    call records the dict *without* `stop_token_ids` (§9.3 step 6).
+    """
+    merged = {**_fold_max_completion_tokens(caller), **_fold_max_completion_tokens(overrides)}
+    if room is not None:
+        limit = merged.get("max_tokens")
+        if limit is None:
+            merged["max_tokens"] = room
+        elif isinstance(limit, bool) or not isinstance(limit, int):
+            raise ValueError(f"max_tokens must be an integer, got {limit!r}")
+        else:
+            merged["max_tokens"] = min(limit, room)
+    merged.setdefault("stop_token_ids", list(stop_token_ids))
+    return merged
+
+
+class VLLMEngine:
+    """vLLM's generate wire; subclass and override attributes or hooks for other engines."""
+
+    name: str = "vllm"
+    generate_path: str = "/inference/v1/generate"
+    release_path: str | None = None
+    routes_from_supported: bool = True
+    sampling_keys: frozenset[str] = frozenset(
+        {
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "min_tokens",
+            "ignore_eos",
+        }
+    )
+
+    def request(
+        self,
+        *,
+        prompt_ids: Sequence[int],
+        sampling: Mapping[str, Any],
+        model: str | None,
+        cache_salt: str | None,
+        sampling_mask: bool,
+        routes_from: int = 0,
+        features: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The request body of http.md §10.1 for the merged `sampling` dict.
+
+        Keys outside `sampling_keys` are dropped from the wire (they stay recorded);
+        `logprobs: 0` is always sent. `sampling_mask` is ignored: vLLM returns masks when
+        started with `--return-sampling-mask`.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids must be non-empty: the engine needs a prompt")
+        if not 0 <= routes_from < len(prompt_ids):
+            raise ValueError(
+                f"routes_from must be in [0, {len(prompt_ids)}) for a {len(prompt_ids)}-token "
+                f"prompt, got {routes_from}"
+            )
+        params = {k: v for k, v in sampling.items() if k in self.sampling_keys}
+        params["logprobs"] = 0
+        if self.routes_from_supported and routes_from > 0:
+            params["routed_experts_prompt_start"] = routes_from
+        body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params}
+        if model:
+            body["model"] = model
+        if cache_salt:
+            body["cache_salt"] = cache_salt
+        if features:
+            body["features"] = dict(features)
+        return body
+
+    def parse(self, body: Any, *, routes_from: int = 0) -> EngineOutput:
+        """Validate the decoded reply (http.md §10.3), then read side channels."""
+        choices = body.get("choices") if isinstance(body, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise EngineError("expected exactly one choice")
+        choice = choices[0]
+        completion = _completion_ids(choice.get("token_ids"))
+        finish = choice.get("finish_reason")
+        if finish is None:
+            finish = "stop"
+        elif not isinstance(finish, str):
+            raise EngineError(f"finish_reason must be a string, got {finish!r}")
+        output = EngineOutput(
+            completion_ids=completion,
+            logprobs=_logprobs(choice.get("logprobs"), len(completion)),
+            finish_reason=finish,
+            routed_start=routes_from if self.routes_from_supported else 0,
+        )
+        self._side_channels(choice, output)
+        return output
+
+    def _side_channels(self, choice: Mapping[str, Any], output: EngineOutput) -> None:
+        """Read `routed_experts` and `sampling_mask` from the choice into `output`."""
+        experts = choice.get("routed_experts")
+        if experts is not None:
+            output.routed_experts, start = _routed_experts(experts)
+            if start is not None:
+                output.routed_start = start
+        mask = choice.get("sampling_mask")
+        if mask is not None:
+            output.sampling_mask = _sampling_mask(mask, len(output.completion_ids))
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _completion_ids(ids: Any) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise EngineError("completion token ids are missing or empty")
+    for i, token in enumerate(ids):
+        if not _is_token_id(token):
+            raise EngineError(
+                f"completion token ids must be non-negative integers, got {token!r} at {i}"
+            )
+    return ids
+
+
+def _logprobs(logprobs: Any, n: int) -> list[float]:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        raise EngineError(
+            "the engine returned no sampled-token logprobs; token capture requires them"
+        )
+    values = [_logprob(entry) for entry in content]
+    values = [v for v in values if v is not None]
+    if len(values) != n or len(content) != n:
+        raise EngineError(f"{n} completion tokens but {len(values)} logprobs")
+    return values
+
+
+def _logprob(entry: Any) -> float | None:
+    value = entry.get("logprob") if isinstance(entry, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _routed_experts(value: Any) -> tuple[np.ndarray, int | None]:
+    """(array, explicit start or None) from a base64 `.npy` string or an array envelope."""
+    if isinstance(value, str):
+        array, start = _load_npy(value), None
+    elif isinstance(value, dict):
+        try:
+            array = unpack(value)
+        except PackedArrayError as exc:
+            raise EngineError(str(exc)) from exc
+        start = value.get("start")
+        if start is not None and not _is_token_id(start):
+            raise EngineError(
+                f"invalid packed array: start must be a non-negative integer, got {start!r}"
+            )
+    else:
+        raise EngineError(
+            "routed_experts must be a base64 .npy string or an array envelope, "
+            f"got {type(value).__name__}"
+        )
+    if array.dtype.name not in EXPERT_DTYPES:
+        raise EngineError(f"routed_experts dtype must be uint8 or uint16, got {array.dtype}")
+    return array.astype(array.dtype.newbyteorder("="), copy=False), start
+
+
+def _load_npy(text: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(text, validate=True)
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError, EOFError) as exc:
+        raise EngineError(f"routed_experts: cannot decode the base64 .npy payload: {exc}") from exc
+
+
+def _sampling_mask(mask: Any, n: int) -> list[list[int]]:
+    if not isinstance(mask, list):
+        raise EngineError(f"sampling_mask must be a list of rows, got {type(mask).__name__}")
+    if len(mask) != n:
+        raise EngineError(f"sampling_mask has {len(mask)} rows for {n} completion tokens")
+    for i, row in enumerate(mask):
+        if not isinstance(row, list) or not all(_is_token_id(t) for t in row):
+            raise EngineError(f"sampling_mask row {i} must be a list of token ids, got {row!r}")
+    return mask

