@@ -1,0 +1,192 @@
+"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts (D-28)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from skycap.graph import CLIENT, MODEL, Graph, Tokens
+from skycap.record.reader import load_trajectory
+from skycap.record.writer import LEVEL, write_record
+from skycap.trajectory import Trajectory
+
+NODES = 1_000
+TOKENS = 1_000_000
+LAYERS, TOP_K, EXPERTS = 48, 8, 128
+SCAFFOLD = 3
+BYTES_PER_TOKEN = 4
+REPEATS = 3
+TR_ID = "tr_00000000000000be"
+CAPTURE = {
+    "mode": "tokens",
+    "engine": "vllm",
+    "tokenizer": "Qwen/Qwen3-30B-A3B",
+    "logprobs_mode": "processed_logprobs",
+    "sampling_overrides": {},
+    "use_raw_content": False,
+}
+
+
+def build_trajectory() -> tuple[Trajectory, int]:
+    """A linear conversation of alternating client and model nodes; returns it and its raw
+    array bytes (what the sidecars hold before compression)."""
+    rng = np.random.default_rng(7)
+    per_node = TOKENS // NODES
+    experts = rng.integers(0, EXPERTS, size=(TOKENS, LAYERS, TOP_K), dtype=np.uint8)
+    ids = rng.integers(0, 151_000, size=TOKENS, dtype=np.int32)
+    offsets = np.arange(per_node, dtype=np.int32) * BYTES_PER_TOKEN
+    graph = Graph()
+    for i in range(NODES):
+        model = i % 2 == 1
+        span = slice(i * per_node, (i + 1) * per_node)
+        logprobs = None
+        if model:
+            logprobs = np.concatenate([np.zeros(SCAFFOLD), -rng.random(per_node - SCAFFOLD)])
+        node = graph.add(
+            i - 1 if i else None,
+            author=MODEL if model else CLIENT,
+            message={"role": "assistant" if model else "user", "content": f"message {i}"},
+            match_hash=f"{i:032x}",
+            delta_hash=f"{i:032x}",
+            created_at=1.7e9 + i,
+            tokens=Tokens(
+                ids=ids[span],
+                sampled_start=SCAFFOLD if model else None,
+                logprobs=logprobs,
+                experts=experts[span],
+                text=b"tok " * per_node,
+                text_offsets=offsets,
+            ),
+        )
+        if model:
+            node.calls.append({"t_start": 1.7e9 + i, "t_end": 1.7e9 + i, "model": "policy"})
+    trajectory = Trajectory(TR_ID, capture=CAPTURE, created_at=1.7e9, graph=graph)
+    trajectory.status, trajectory.ended = "finished", True
+    raw = experts.nbytes + ids.nbytes + TOKENS * 8 + TOKENS * 4 + TOKENS * BYTES_PER_TOKEN
+    return trajectory, raw
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_added(action: Callable[[], object]) -> tuple[int, int]:
+    """(tracemalloc peak, peak RSS) added while `action` runs, over what was held before."""
+    gc.collect()
+    base_rss = rss_bytes()
+    peak_rss = base_rss
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak_rss
+        while not done.is_set():
+            peak_rss = max(peak_rss, rss_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    tracemalloc.start()
+    sampler.start()
+    try:
+        result = action()
+    finally:
+        done.set()
+        sampler.join()
+        traced_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    del result
+    return traced_peak, max(peak_rss, rss_bytes()) - base_rss
+
+
+def timed(action: Callable[[], object]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run; CPU counts every thread of the process."""
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    action()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def best_of(actions: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
+    """Each action's best wall and CPU time over REPEATS rounds, run interleaved so that
+    load from other processes on the machine falls on all of them alike."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in actions}
+    for _ in range(REPEATS):
+        for name, action in actions.items():
+            runs[name].append(timed(action))
+    return {
+        name: (min(w for w, _ in times), min(c for _, c in times)) for name, times in runs.items()
+    }
+
+
+def sidecar_payloads(record_dir: Path, files: list[str]) -> list[bytes]:
+    return [
+        zstandard.ZstdDecompressor().decompress((record_dir / name).read_bytes())
+        for name in files[:-1]
+    ]
+
+
+def main() -> None:
+    trajectory, raw = build_trajectory()
+    with tempfile.TemporaryDirectory(prefix="bench_record_") as tmp:
+        record_dir = Path(tmp)
+        write_traced, write_rss = peak_added(lambda: write_record(trajectory, record_dir))
+        files = write_record(trajectory, record_dir)
+        payloads = sidecar_payloads(record_dir, files)
+        payload_bytes = sum(map(len, payloads))
+        compressor = zstandard.ZstdCompressor(level=LEVEL)
+        times = best_of(
+            {
+                "write": lambda: write_record(trajectory, record_dir),
+                "plain": lambda: [compressor.compress(p) for p in payloads],
+                "read": lambda: load_trajectory(record_dir, TR_ID),
+            }
+        )
+        payloads.clear()
+        read_traced, read_rss = peak_added(lambda: load_trajectory(record_dir, TR_ID))
+        on_disk = sum((record_dir / name).stat().st_size for name in files)
+
+    mb = 1e6
+    rows = [
+        ("trajectory", f"{NODES} nodes, {TOKENS:,} tokens, experts [{TOKENS}, {LAYERS}, {TOP_K}]"),
+        ("raw array bytes", f"{raw / mb:.1f} MB (sidecar payloads {payload_bytes / mb:.1f} MB)"),
+        ("on disk", f"{on_disk / mb:.1f} MB in {len(files)} files"),
+        *(
+            (label, f"{w:.3f} s wall ({payload_bytes / mb / w:.0f} MB/s), {c:.3f} s CPU")
+            for label, (w, c) in (
+                ("write", times["write"]),
+                ("plain zstd -3", times["plain"]),
+                ("read (load)", times["read"]),
+            )
+        ),
+        (
+            "write / plain",
+            f"{times['write'][0] / times['plain'][0]:.2f}x wall, "
+            f"{times['write'][1] / times['plain'][1]:.2f}x CPU  (target <= 1.5x)",
+        ),
+        (
+            "write peak added",
+            f"traced {write_traced / mb:.1f} MB = {write_traced / raw:.3f}x raw, "
+            f"RSS {write_rss / mb:.1f} MB = {write_rss / raw:.3f}x raw  (target <= 2x)",
+        ),
+        (
+            "read peak added",
+            f"traced {read_traced / mb:.1f} MB = {read_traced / raw:.2f}x raw, "
+            f"RSS {read_rss / mb:.1f} MB = {read_rss / raw:.2f}x raw",
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""The record reader: documents, manifest-driven sidecars, records loaded back (format.md §4)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import zstandard
+
+from skycap.graph import Graph, Tokens
+from skycap.record.layout import (
+    DOCUMENT_SUFFIX,
+    DTYPES,
+    FORMAT_VERSION,
+    KINDS,
+    document_name,
+    is_plain_name,
+)
+from skycap.trajectory import OPEN, STATUSES, Trajectory
+
+# viewer.md §7 rule 1: what a document must hold to be read at all.
+REQUIRED_FIELDS = ("id", "status", "nodes", "sidecars")
+NODE_FIELDS = ("parent", "author", "message", "match_hash", "delta_hash", "created_at", "calls")
+SIDECAR_ARRAYS = {
+    "tokens": ("token_ids", "logprobs", "text_offsets", "text"),
+    "experts": ("routed_experts",),
+    "sampling_mask": ("ids", "offsets"),
+}
+
+ZSTD_MAGIC = 0xFD2FB528
+SKIPPABLE_MAGIC = 0x184D2A50  # the low 4 bits are free (0x184D2A50-0x184D2A5F)
+_FRAME_CONTENT_SIZE_BYTES = (0, 2, 4, 8)
+_DICT_ID_BYTES = (0, 1, 2, 4)
+
+
+class RecordError(Exception):
+    """A record that cannot be read; its str is a one-line reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(" ".join(reason.splitlines()))
+
+
+def record_ids(record_dir: Path) -> list[str]:
+    """Ids of the documents at the top level of `record_dir`, sorted by file name (§4)."""
+    directory = Path(record_dir)
+    if not directory.is_dir():
+        raise RecordError(f"record dir {directory} is not a directory")
+    names = sorted(
+        path.name
+        for path in directory.glob("*" + DOCUMENT_SUFFIX)
+        if not path.name.startswith(".") and path.is_file()
+    )
+    return [name[: -len(DOCUMENT_SUFFIX)] for name in names]
+
+
+def document_path(record_dir: Path, trajectory_id: str) -> Path:
+    """Where the document of `trajectory_id` lies; refuses ids that could leave the directory."""
+    if not is_plain_name(trajectory_id):
+        raise RecordError(
+            f"trajectory id {trajectory_id!r} is not a plain file name "
+            "(ids look like tr_3f9a0c2b7d1e4a55)"
+        )
+    return Path(record_dir) / document_name(trajectory_id)
+
+
+def read_document(path: Path) -> dict[str, Any]:
+    """The document at `path`, checked for the fields and version every reader needs."""
+    raw = decompress_file(Path(path))
+    try:
+        document = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RecordError(f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(document, dict):
+        raise RecordError(f"the document is a JSON {_json_type(document)}, not an object")
+    if "format_version" not in document:
+        raise RecordError("missing format_version")
+    version = document["format_version"]
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise RecordError(
+            f"format_version {orjson.dumps(version).decode()}, this skycap reads {FORMAT_VERSION}"
+        )
+    for field in REQUIRED_FIELDS:
+        if field not in document:
+            raise RecordError(f"missing {field}")
+    _check_type(document, "id", str)
+    _check_type(document, "nodes", list)
+    _check_type(document, "sidecars", dict)
+    if document["status"] not in STATUSES:
+        raise RecordError(
+            f"unknown status {orjson.dumps(document['status']).decode()} "
+            f"(expected one of {', '.join(STATUSES)})"
+        )
+    return document
+
+
+def read_sidecar(
+    record_dir: Path, document: dict[str, Any], kind: str
+) -> dict[str, np.ndarray] | None:
+    """The arrays of sidecar `kind` by name, or None when the record does not have it.
+
+    The manifest decides (§4): a kind it does not list, a kind in `omitted_sidecars`, and
+    a listed file that is not beside the document all read as absent. Arrays are
+    read-only views of one decompressed buffer.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown sidecar kind {kind!r}; known kinds: {', '.join(KINDS)}")
+    omitted = document.get("omitted_sidecars", [])
+    if not isinstance(omitted, list):
+        raise RecordError(f"omitted_sidecars must be an array, got {_json_type(omitted)}")
+    entry = document["sidecars"].get(kind)
+    if kind in omitted or entry is None:
+        return None
+    file, arrays = _manifest_entry(kind, entry)
+    path = Path(record_dir) / file
+    if not path.is_file():
+        return None
+    payload = decompress_file(path)
+    return {name: _array(payload, kind, name, spec) for name, spec in arrays.items()}
+
+
+def load_trajectory(record_dir: Path, trajectory_id: str, *, sidecars: bool = True) -> Trajectory:
+    """The recorded trajectory, its graph rebuilt with `Graph.add` so node ids come back equal.
+
+    Nodes get their Tokens from the sidecars; a sidecar that is absent leaves those parts
+    None (no tokens at all without the tokens sidecar), as does `sidecars=False`. Rewrite a
+    record only from a trajectory loaded with its sidecars.
+    """
+    path = document_path(record_dir, trajectory_id)
+    document = read_document(path)
+    if document["id"] != trajectory_id:
+        raise RecordError(f"{path} holds trajectory {document['id']!r}, not {trajectory_id!r}")
+    trajectory = _trajectory(document)
+    arrays = _Sidecars(Path(record_dir), document) if sidecars else None
+    for index, entry in enumerate(document["nodes"]):
+        _add_node(trajectory.graph, index, entry, arrays)
+    return trajectory
+
+
+def decompress_file(path: Path) -> bytes:
+    """The content of the single zstd frame in `path` (D-19: a second frame is an error).
+
+    The file is mapped, not read, so reading a sidecar holds little more than its content.
+    """
+    try:
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size == 0:
+                raise RecordError(f"{path} has 0 zstd frames (format.md: one)")
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return _decompress_frame(data, path)
+    except OSError as exc:
+        raise RecordError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _decompress_frame(data: mmap.mmap, path: Path) -> bytes:
+    frames = _frames(data, path)
+    if len(frames) != 1:
+        raise RecordError(f"{path} has {len(frames)} zstd frames (format.md: one)")
+    start, end = frames[0]
+    decompressor = zstandard.ZstdDecompressor()
+    with memoryview(data) as whole, whole[start:end] as frame:
+        try:
+            if zstandard.frame_content_size(frame) >= 0:
+                return decompressor.decompress(frame)
+            # Another writer left the content size out: still one frame, so stream it.
+            return decompressor.decompressobj().decompress(frame)
+        except zstandard.ZstdError as exc:
+            raise RecordError(f"{path}: corrupt zstd frame: {exc}") from None
+
+
+def _frames(data: mmap.mmap, path: Path) -> list[tuple[int, int]]:
+    """(start, end) of each zstd data frame; skippable frames are passed over (§4)."""
+    frames = []
+    pos = 0
+    while pos < len(data):
+        if len(data) - pos < 4:
+            if _is_magic_prefix(data[pos:]):
+                raise _truncated(path, pos, data)
+            raise RecordError(f"{path}: not a zstd frame at byte {pos}")
+        magic = int.from_bytes(data[pos : pos + 4], "little")
+        if magic & 0xFFFFFFF0 == SKIPPABLE_MAGIC:
+            if len(data) - pos < 8:
+                raise _truncated(path, pos, data)
+            end = pos + 8 + int.from_bytes(data[pos + 4 : pos + 8], "little")
+        elif magic == ZSTD_MAGIC:
+            end = _frame_end(data, pos, path)
+            frames.append((pos, end))
+        else:
+            raise RecordError(f"{path}: not a zstd frame at byte {pos}")
+        if end > len(data):
+            raise _truncated(path, pos, data)
+        pos = end
+    return frames
+
+
+def _is_magic_prefix(tail: bytes) -> bool:
+    """Whether a non-empty tail shorter than a magic number starts one (a cut-off frame)."""
+    skippable_rest = SKIPPABLE_MAGIC.to_bytes(4, "little")[1:]
+    return ZSTD_MAGIC.to_bytes(4, "little").startswith(tail) or (
+        tail[0] >> 4 == 5 and skippable_rest.startswith(tail[1:])
+    )
+
+
+def _frame_end(data: mmap.mmap, start: int, path: Path) -> int:
+    """Where the frame at `start` ends, found from its header and block headers (RFC 8878)."""
+    if len(data) - start < 5:
+        raise _truncated(path, start, data)
+    descriptor = data[start + 4]
+    single_segment = (descriptor >> 5) & 1
+    fcs_bytes = _FRAME_CONTENT_SIZE_BYTES[descriptor >> 6] or single_segment
+    cursor = start + 5 + (1 - single_segment) + _DICT_ID_BYTES[descriptor & 3] + fcs_bytes
+    while True:
+        if cursor + 3 > len(data):
+            raise _truncated(path, start, data)
+        header = int.from_bytes(data[cursor : cursor + 3], "little")
+        block_type = (header >> 1) & 3
+        if block_type == 3:
+            raise RecordError(f"{path}: reserved zstd block type at byte {cursor}")
+        cursor += 3 + (1 if block_type == 1 else header >> 3)
+        if header & 1:
+            break
+    if (descriptor >> 2) & 1:
+        cursor += 4  # content checksum
+    if cursor > len(data):
+        raise _truncated(path, start, data)
+    return cursor
+
+
+def _truncated(path: Path, start: int, data: mmap.mmap) -> RecordError:
+    return RecordError(
+        f"{path}: truncated zstd frame at byte {start} (the file has {len(data)} bytes)"
+    )
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {dict: "object", list: "list", str: "string", type(None): "null"}[type(value)]
+
+
+def _check_type(document: dict[str, Any], field: str, kind: type) -> None:
+    if not isinstance(document[field], kind):
+        expected = {str: "string", list: "array", dict: "object"}[kind]
+        raise RecordError(f"{field} must be a JSON {expected}, got {_json_type(document[field])}")
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _manifest_entry(kind: str, entry: Any) -> tuple[str, dict[str, Any]]:
+    if not isinstance(entry, dict) or not isinstance(entry.get("arrays"), dict):
+        raise RecordError(f"sidecars.{kind} must be an object with an arrays object")
+    file = entry.get("file")
+    if not is_plain_name(file):
+        raise RecordError(f"sidecars.{kind}.file {file!r} is not a plain file name")
+    return file, entry["arrays"]
+
+
+def _array(payload: bytes, kind: str, name: str, spec: Any) -> np.ndarray:
+    """Array `name` of the payload: prod(shape) little-endian items from byte `offset`."""
+    what = f"{kind} array {name}"
+    if not isinstance(spec, dict):
+        raise RecordError(f"{what}: manifest entry must be an object")
+    dtype, shape, offset = spec.get("dtype"), spec.get("shape"), spec.get("offset")
+    if dtype not in DTYPES:
+        raise RecordError(f"{what}: unknown dtype {dtype!r} (format.md §10.1: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise RecordError(f"{what}: bad shape {shape!r}")
+    if not _is_count(offset):
+        raise RecordError(f"{what}: bad offset {offset!r}")
+    item = np.dtype(dtype).newbyteorder("<")
+    count = int(np.prod(shape, dtype=np.int64))
+    end = offset + count * item.itemsize
+    if end > len(payload):
+        raise RecordError(
+            f"{what} of shape {shape} needs payload bytes [{offset}, {end}) but the "
+            f"{kind} payload has {len(payload)} bytes"
+        )
+    return np.frombuffer(payload, dtype=item, count=count, offset=offset).reshape(shape)
+
+
+class _Sidecars:
+    """Each sidecar of one record, opened the first time a node needs it."""
+
+    def __init__(self, record_dir: Path, document: dict[str, Any]) -> None:
+        self.record_dir = record_dir
+        self.document = document
+        self._read: dict[str, dict[str, np.ndarray] | None] = {}
+
+    def get(self, kind: str) -> dict[str, np.ndarray] | None:
+        if kind not in self._read:
+            arrays = read_sidecar(self.record_dir, self.document, kind)
+            for name in SIDECAR_ARRAYS[kind] if arrays is not None else ():
+                if name not in arrays:
+                    raise RecordError(f"the {kind} sidecar lists no array {name}")
+            self._read[kind] = arrays
+        return self._read[kind]
+
+
+def _trajectory(document: dict[str, Any]) -> Trajectory:
+    for field in ("capture", "created_at"):
+        if field not in document:
+            raise RecordError(f"missing {field}")
+    trajectory = Trajectory(
+        document["id"],
+        capture=document["capture"],
+        meta=document.get("meta") or {},
+        created_at=document["created_at"],
+    )
+    trajectory.status = document["status"]
+    ended = document.get("ended")
+    # Older records have no `ended`: such a record is ended iff its status is not open (§4).
+    trajectory.ended = ended if isinstance(ended, bool) else trajectory.status != OPEN
+    trajectory.annotations = document.get("annotations") or {}
+    trajectory.finished_at = document.get("finished_at")
+    trajectory.tools = document.get("tools") or {}
+    trajectory.failures = document.get("failures") or []
+    trajectory.retries = document.get("retries") or {"replayed": 0, "coalesced": 0}
+    trajectory.samples = document.get("samples")
+    return trajectory
+
+
+def _add_node(graph: Graph, index: int, entry: Any, arrays: _Sidecars | None) -> None:
+    if not isinstance(entry, dict):
+        raise RecordError(f"nodes[{index}] is a JSON {_json_type(entry)}, not an object")
+    if entry.get("id") != index:
+        raise RecordError(f"nodes[{index}].id is {entry.get('id')!r}")
+    for field in NODE_FIELDS:
+        if field not in entry:
+            raise RecordError(f"node {index}: missing {field}")
+    parent = entry["parent"]
+    if parent is not None and not (type(parent) is int and 0 <= parent < index):
+        raise RecordError(f"node {index} has parent {parent!r}, not an earlier node")
+    if not isinstance(entry["message"], dict) or not isinstance(entry["calls"], list):
+        raise RecordError(f"node {index}: message must be an object and calls an array")
+    tokens = entry.get("tokens")
+    try:
+        node = graph.add(
+            parent,
+            author=entry["author"],
+            message=entry["message"],
+            match_hash=entry["match_hash"],
+            delta_hash=entry["delta_hash"],
+            created_at=entry["created_at"],
+            tokens=None if tokens is None or arrays is None else _tokens(index, tokens, arrays),
+        )
+    except ValueError as exc:
+        raise RecordError(f"node {index}: {exc}") from None
+    if node.id != index:
+        raise RecordError(f"node {index} repeats node {node.id} (same parent and delta_hash)")
+    node.calls = list(entry["calls"])  # calls without `bridged` keep it absent (§4)
+
+
+def _tokens(index: int, spec: Any, arrays: _Sidecars) -> Tokens | None:
+    """The node's Tokens from its slices; None without the tokens sidecar (message text only)."""
+    if not isinstance(spec, dict):
+        raise RecordError(f"node {index}: tokens must be an object or null")
+    tokens = arrays.get("tokens")
+    if tokens is None:
+        return None
+    field = _Fields(index, spec)
+    offset, length = field.count("offset"), field.count("length")
+    ids = field.slice(tokens["token_ids"], offset, length, "tokens")
+    logprobs = field.slice(tokens["logprobs"], offset, length, "tokens")
+    text = text_offsets = None
+    if spec.get("text_offset") is not None:
+        text_offset, text_bytes = field.count("text_offset"), field.count("text_bytes")
+        text = field.slice(tokens["text"], text_offset, text_bytes, "text").tobytes()
+        text_offsets = field.slice(tokens["text_offsets"], offset, length, "tokens")
+    sampled_start = spec.get("sampled_start")
+    if sampled_start is not None:
+        sampled_start = field.count("sampled_start")
+    return Tokens(
+        ids=ids,
+        sampled_start=sampled_start,
+        logprobs=logprobs if spec.get("has_logprobs") is True else None,
+        experts=_experts(field, spec, arrays),
+        **_mask(field, spec, arrays),
+        media=list(spec.get("media") or []),
+        text=text,
+        text_offsets=text_offsets,
+    )
+
+
+def _experts(field: _Fields, spec: dict[str, Any], arrays: _Sidecars) -> np.ndarray | None:
+    if spec.get("experts_offset") is None:
+        return None
+    experts = arrays.get("experts")
+    if experts is None:
+        return None
+    rows = experts["routed_experts"]
+    if rows.ndim != 3:
+        raise RecordError(
+            f"routed_experts has shape {list(rows.shape)}; expected [rows, layers, k]"
+        )
+    start, count = field.count("experts_offset"), field.count("experts_rows")
+    return field.slice(rows, start, count, "experts")
+
+
+def _mask(field: _Fields, spec: dict[str, Any], arrays: _Sidecars) -> dict[str, np.ndarray | None]:
+    """The node's CSR mask rows; `mask_rows: 0` never opens the sidecar (§4)."""
+    if spec.get("mask_offset") is None:
+        return {"mask_ids": None, "mask_offsets": None}
+    start, rows = field.count("mask_offset"), field.count("mask_rows")
+    if rows == 0:
+        return {"mask_ids": np.zeros(0, dtype=np.int32), "mask_offsets": np.zeros(1, np.int64)}
+    mask = arrays.get("sampling_mask")
+    if mask is None:
+        return {"mask_ids": None, "mask_offsets": None}
+    bounds = field.slice(mask["offsets"], start, rows + 1, "sampling-mask offsets")
+    first, last = int(bounds[0]), int(bounds[-1])
+    if last < first:
+        raise RecordError(f"node {field.index}: sampling-mask offsets decrease")
+    return {
+        "mask_ids": field.slice(mask["ids"], first, last - first, "sampling-mask ids"),
+        "mask_offsets": bounds - first,
+    }
+
+
+class _Fields:
+    """Checked reads of one node's `tokens` object, errors naming the node."""
+
+    def __init__(self, index: int, spec: dict[str, Any]) -> None:
+        self.index = index
+        self.spec = spec
+
+    def count(self, key: str) -> int:
+        value = self.spec.get(key)
+        if not _is_count(value):
+            raise RecordError(
+                f"node {self.index}: tokens.{key} must be a non-negative integer, got {value!r}"
+            )
+        return value
+
+    def slice(self, array: np.ndarray, start: int, count: int, what: str) -> np.ndarray:
+        if start + count > array.shape[0]:
+            raise RecordError(
+                f"node {self.index}: {what} [{start}, {start + count}) outside the "
+                f"{array.shape[0]}-entry sidecar array"
+            )
+        return array[start : start + count]
