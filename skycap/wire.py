@@ -1,0 +1,159 @@
+"""Strict JSON request-body parsing, the harness step-4 chat checks and error bodies."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+# format.md §8: the request keys text mode records as the call's `sampling`.
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+NOT_JSON = "request body is not JSON"
+MESSAGES_MESSAGE = "`messages` must be a list of objects"
+N_MESSAGE = "`n` > 1 is not supported: one call produces one sample"
+
+# orjson keeps integers in [-2**63, 2**64 - 1] and silently turns larger ones into floats,
+# losing digits (D-2). Any such literal has at least 19 digits, so a body without a run of
+# 19 digits needs no closer look; the scan is a C-speed translate plus a substring search.
+_INT_MIN = -(2**63)
+_INT_MAX = 2**64 - 1
+_DIGIT_MASK = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_LONG_DIGIT_RUN = b"0" * 19
+
+
+class BodyError(ValueError):
+    """A request body skycap refuses; `str(error)` is the one-line message sent back."""
+
+
+class _BigInteger(Exception):
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def parse_json_body(raw: bytes, *, allow_empty: bool = False) -> Any:
+    """Parse a request body strictly, so a body is never stored in a lossy form (D-2).
+
+    With `allow_empty`, an empty or all-whitespace body returns None (control routes treat
+    it as `{}`); otherwise it is an error like any other non-JSON body.
+    """
+    if allow_empty and not raw.strip():
+        return None
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(_decode_problem(raw, exc)) from None
+    if _LONG_DIGIT_RUN in raw.translate(_DIGIT_MASK):
+        _reject_big_integers(raw)
+    return value
+
+
+def _decode_problem(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    detail = str(exc)
+    if not raw.strip():
+        return f"{NOT_JSON}: the body is empty; send a JSON object"
+    if exc.msg.startswith("str is not valid UTF-8"):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return (
+                f"{NOT_JSON}: it is not valid UTF-8 (byte 0x{raw[bad.start]:02x} at offset "
+                f"{bad.start}: {bad.reason}); send UTF-8 encoded JSON"
+            )
+    if "surrogate" in exc.msg:
+        return (
+            f"{NOT_JSON}: a string holds a lone UTF-16 surrogate escape ({detail}); "
+            "strings must be valid Unicode"
+        )
+    if exc.msg.startswith("number is infinity"):
+        _reject_big_integers(raw)
+    return f"{NOT_JSON}: {detail}"
+
+
+def _reject_big_integers(raw: bytes) -> None:
+    """Find the first integer literal outside 64 bits with the stdlib parser (rare path)."""
+    try:
+        json.loads(raw, parse_int=_checked_int)
+    except _BigInteger as big:
+        literal = big.literal if len(big.literal) <= 40 else big.literal[:37] + "..."
+        raise BodyError(
+            f"{NOT_JSON}: integer {literal} is beyond 64 bits (allowed: {_INT_MIN} to "
+            f"{_INT_MAX}); send it as a string"
+        ) from None
+    except (ValueError, RecursionError):
+        return
+
+
+def _checked_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > 20:
+        raise _BigInteger(literal)
+    value = int(literal)
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise _BigInteger(literal)
+    return value
+
+
+def check_chat_request(body: Any) -> dict[str, Any]:
+    """Apply the harness step-4 checks of http.md §3 in order; return the body as a dict.
+
+    `n` must be exactly the integer 1 when present: an explicit null, `true` or `1.0`
+    is refused too, since any other value could ask the server for several samples.
+    """
+    if not isinstance(body, dict):
+        raise BodyError(f"request body must be a JSON object, got {_json_type(body)}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise BodyError(MESSAGES_MESSAGE)
+    if "n" in body:
+        n = body["n"]
+        if type(n) is not int or n != 1:
+            raise BodyError(N_MESSAGE)
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__
+
+
+def openai_error(status: int, message: str, code: str | None = None) -> bytes:
+    """The harness-route error body of http.md §1 (SDKs read `error.message` and `code`)."""
+    kind = "api_error" if status >= 500 else "invalid_request_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def control_error(message: str, code: str | None = None) -> bytes:
+    """The control-route error body of http.md §1: `{"error": message}`, plus `code` if given."""
+    body: dict[str, str] = {"error": message}
+    if code is not None:
+        body["code"] = code
+    return orjson.dumps(body)
+
+
+def recorded_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Text mode's `sampling`: the present, non-null SAMPLING_KEYS, values as sent."""
+    return {key: body[key] for key in SAMPLING_KEYS if body.get(key) is not None}
