@@ -1,0 +1,136 @@
+"""CaptureService: a capture server embedded in the caller's process, on its own thread and loop.
+
+A trainer that creates a new event loop per batch is unaffected: the server runs on a
+daemon thread named `skycap` with a loop of its own. It is built from the same
+`ServerOptions` as `skycap serve` (D-20). mitmproxy's context is process-global, so only
+one service may run per process at a time; stop it, then another may start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+logger = logging.getLogger("skycap.service")
+
+DEFAULT_START_TIMEOUT = 60.0
+
+
+def _format_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class CaptureService:
+    """Run one capture server in this process; `start()` returns its URL, `stop()` writes records.
+
+    `upstream_url` may be positional; every other option is a keyword of
+    `skycap.server.options.ServerOptions` (an unknown keyword raises TypeError, an invalid
+    combination ValueError, before anything starts).
+    """
+
+    _running: ClassVar[CaptureService | None] = None
+    _running_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, upstream_url: str | None = None, **options: Any) -> None:
+        from skycap.server.options import ServerOptions
+
+        self.options = ServerOptions(upstream_url, **options)
+        self.url: str | None = None
+        self.harness_url: str | None = None
+        self.exposed_url: str | None = None
+        self.server: Any = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    def start(self, timeout: float | None = None) -> str:
+        """Launch the thread and wait until the listener is bound; return the control URL."""
+        if timeout is None:
+            timeout = float(os.environ.get("SKYCAP_START_TIMEOUT", DEFAULT_START_TIMEOUT))
+        with CaptureService._running_lock:
+            if self._thread is not None:
+                raise RuntimeError("this CaptureService was already started; create a new one")
+            if CaptureService._running is not None:
+                raise RuntimeError(
+                    "another CaptureService is running in this process (mitmproxy allows one "
+                    f"per process, at {CaptureService._running.url}); stop() it first"
+                )
+            CaptureService._running = self
+        from skycap.server.addon import SkycapAddon
+
+        self.server = SkycapAddon(self.options)
+        self._loop = asyncio.new_event_loop()
+        self._stop_event = asyncio.Event()
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._main, args=(ready,), name="skycap", daemon=True
+        )
+        self._thread.start()
+        if not ready.wait(timeout):
+            self.stop()
+            raise TimeoutError(f"skycap did not start within {timeout:g} s")
+        if self.url is None:
+            self.stop()
+            raise RuntimeError("skycap failed to start") from self._error
+        return self.url
+
+    def _main(self, ready: threading.Event) -> None:
+        from skycap.server.runner import serve
+
+        def on_ready(bound: str) -> None:
+            port = urlsplit(bound).port
+            self.url = _format_url(self.options.advertise_host, port)
+            self.harness_url = self.url
+            ready.set()
+
+        assert self._loop is not None and self._stop_event is not None
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(
+                serve(
+                    self.options,
+                    ready=on_ready,
+                    stop_event=self._stop_event,
+                    addons=[self.server],
+                )
+            )
+        except BaseException as exc:  # reported by start(); the thread must not die loudly
+            self._error = exc
+            logger.debug("capture server stopped with an error", exc_info=True)
+        finally:
+            self._loop.close()
+            ready.set()
+            with CaptureService._running_lock:
+                if CaptureService._running is self:
+                    CaptureService._running = None
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        """Shut down gracefully (records written) and join the thread; idempotent.
+
+        Returns False, with a warning, if the thread did not finish within `timeout`.
+        """
+        thread, loop, stop_event = self._thread, self._loop, self._stop_event
+        if thread is None or loop is None or stop_event is None:
+            return True
+        if thread.is_alive():
+            try:
+                loop.call_soon_threadsafe(stop_event.set)
+            except RuntimeError:  # the loop already closed: the thread is finishing
+                pass
+            thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("skycap did not stop within %g s; records may be incomplete", timeout)
+            return False
+        return True
+
+    def __enter__(self) -> CaptureService:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
