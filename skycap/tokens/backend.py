@@ -1,0 +1,484 @@
+"""The token-mode backend the server plugs in: plan, engine call, commit and reply (http.md §9).
+
+The server routes and gates requests (http.md §3) and hands a checked chat body here;
+everything after that, including the per-trajectory turn lock, happens in `chat`. Renderer
+work (plan, reply parsing, decoding) runs on the renderer pool's worker threads, never on
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from skycap.hashing import model_key, tools_hash
+from skycap.tokens.commit import CommitError, commit_turn
+from skycap.tokens.engine import (
+    EngineError,
+    EngineOutput,
+    VLLMEngine,
+    caller_sampling,
+    merge_sampling,
+)
+from skycap.tokens.plan import Plan, PlanError, plan_turn
+from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
+from skycap.tokens.reply import (
+    completion_id,
+    completion_json,
+    completion_sse,
+    finish_reason,
+    reply_messages,
+)
+from skycap.trajectory import FAILED, Trajectory
+from skycap.wire import openai_error
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 30.0
+RELEASE_TIMEOUT = 10.0
+ENGINE_ERROR_BODY_LIMIT = 2000
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+#: Options the server's options object carries for this backend (TokenBackend keywords).
+OPTION_NAMES = (
+    "upstream_url",
+    "api_key",
+    "tokenizer",
+    "renderer",
+    "renderer_name",
+    "renderer_pool_size",
+    "chat_template_kwargs",
+    "engine",
+    "model",
+    "max_model_len",
+    "sampling_overrides",
+    "sampling_mask",
+    "logprobs_mode",
+    "use_raw_content",
+    "upstream_timeout",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A complete answer for the harness; `replayable`: SDK retries may reuse it (http.md §5)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    replayable: bool = False
+
+
+class _TurnFailed(Exception):
+    """A turn that ends before the commit with this reply (refusal or engine failure)."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+
+
+@dataclass
+class _TrajectoryState:
+    """Per-trajectory turn state, in memory only: the turn lock and the experts layout (D-18)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    experts_shape: tuple[int, ...] | None = None
+
+
+class TokenBackend:
+    """Token mode for one server: a renderer pool, the engine wire and an HTTP client."""
+
+    def __init__(
+        self,
+        *,
+        upstream_url: str,
+        api_key: str | None = None,
+        tokenizer: str | None = None,
+        renderer: Renderer | None = None,
+        renderer_name: str | None = None,
+        renderer_pool_size: int = 8,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        engine: VLLMEngine | None = None,
+        model: str | None = None,
+        max_model_len: int | None = None,
+        sampling_overrides: Mapping[str, Any] | None = None,
+        sampling_mask: bool = False,
+        logprobs_mode: str = "processed_logprobs",
+        use_raw_content: bool = False,
+        upstream_timeout: float | None = None,
+    ) -> None:
+        if not upstream_url:
+            raise ValueError(
+                "token mode needs upstream_url: the engine root, e.g. http://engine:8000"
+            )
+        if sampling_overrides is not None and not isinstance(sampling_overrides, Mapping):
+            raise ValueError(
+                f"sampling_overrides must be a mapping, got {type(sampling_overrides).__name__}"
+            )
+        self.upstream_url = upstream_url.rstrip("/")
+        self.api_key = api_key
+        self.engine = engine or VLLMEngine()
+        self.model = model or None
+        self.max_model_len = max_model_len
+        self.sampling_overrides = dict(sampling_overrides or {})
+        self.sampling_mask = sampling_mask
+        self.logprobs_mode = logprobs_mode
+        self.use_raw_content = use_raw_content
+        self.upstream_timeout = upstream_timeout
+        self._pool = _renderer_pool(
+            tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
+        )
+        self._stop_token_ids = list(self._pool.primary.stop_token_ids)
+        self._states: dict[str, _TrajectoryState] = {}
+        self._client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def from_options(cls, options: Any) -> TokenBackend:
+        """Build from the server's options object, reading the OPTION_NAMES attributes it has."""
+        return cls(
+            **{name: getattr(options, name) for name in OPTION_NAMES if hasattr(options, name)}
+        )
+
+    @property
+    def capture(self) -> dict[str, Any]:
+        """The `capture` object of every token-mode trajectory (format.md §6)."""
+        return {
+            "mode": "tokens",
+            "engine": self.engine.name,
+            "tokenizer": self._pool.primary.name,
+            "logprobs_mode": self.logprobs_mode,
+            "sampling_overrides": self.sampling_overrides,
+            "use_raw_content": self.use_raw_content,
+        }
+
+    # -- a harness call -------------------------------------------------------------------
+
+    async def chat(self, trajectory: Trajectory, body: dict[str, Any]) -> Reply:
+        """Run one turn for a checked chat body (http.md §9.2); always returns a Reply."""
+        state = self._states.setdefault(trajectory.id, _TrajectoryState())
+        async with state.lock:
+            if not trajectory.is_open:
+                return _error(410, f"trajectory is {trajectory.status}", "trajectory_closed")
+            try:
+                return await self._turn(trajectory, body, state)
+            except _TurnFailed as failed:
+                return failed.reply
+
+    async def _turn(
+        self, trajectory: Trajectory, body: dict[str, Any], state: _TrajectoryState
+    ) -> Reply:
+        t_start = time.time()
+        tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
+        model = self.model or model_key(body.get("model"))
+        plan = await self._plan(trajectory, body["messages"], tools, model)
+        room = self._check_limits(body, len(plan.prompt_ids))
+        sampling, request = self._engine_request(body, plan, room, model)
+        output = await self._generate(trajectory, request, plan.routes_from)
+        stored, answered = await self._reply_messages(trajectory, plan, output, tools)
+        reason = finish_reason(output.finish_reason, stored)
+        requested = body.get("model") if isinstance(body.get("model"), str) else None
+        call = {
+            "t_start": t_start,
+            "t_end": time.time(),
+            "model": self.model or requested,
+            "sampling": {k: v for k, v in sampling.items() if k != "stop_token_ids"},
+            "usage": {
+                "prompt_tokens": len(plan.prompt_ids),
+                "completion_tokens": len(output.completion_ids),
+            },
+            "finish_reason": reason,
+        }
+        status = self._commit(trajectory, plan, output, stored, call, tools, model, state)
+        return self._answer(body, plan, output, answered, reason, status)
+
+    def _engine_request(
+        self, body: dict[str, Any], plan: Plan, room: int | None, model: str
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(merged sampling, engine request body) (http.md §9.3-9.4); bad values answer 400."""
+        try:
+            sampling = merge_sampling(
+                caller_sampling(body),
+                self.sampling_overrides,
+                room=room,
+                stop_token_ids=self._stop_token_ids,
+            )
+            request = self.engine.request(
+                prompt_ids=plan.prompt_ids,
+                sampling=sampling,
+                model=model or None,
+                cache_salt=body.get("cache_salt") or None,
+                sampling_mask=self.sampling_mask,
+                routes_from=plan.routes_from,
+            )
+        except ValueError as exc:
+            raise _TurnFailed(_error(400, str(exc))) from exc
+        return sampling, request
+
+    async def _reply_messages(
+        self, trajectory: Trajectory, plan: Plan, output: EngineOutput, tools: list[Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(stored, answered) reply messages; a completion the renderer cannot read is a 502."""
+        try:
+            return await self._pool.run(
+                lambda r: reply_messages(
+                    r,
+                    output.completion_ids,
+                    tools,
+                    plan.prompt_ids,
+                    use_raw_content=self.use_raw_content,
+                )
+            )
+        except RenderError as exc:
+            trajectory.add_failure(None, f"engine: {exc}")
+            raise _TurnFailed(_error(502, f"engine: {exc}")) from exc
+
+    async def _plan(
+        self,
+        trajectory: Trajectory,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        model: str,
+    ) -> Plan:
+        key = tools_hash(tools)
+        try:
+            return await self._pool.run(
+                lambda r: plan_turn(trajectory.graph, r, messages, tools, key, model)
+            )
+        except PlanError as exc:
+            raise _TurnFailed(_error(400, str(exc))) from exc
+
+    def _check_limits(self, body: dict[str, Any], prompt_tokens: int) -> int | None:
+        """Refusals before inference (http.md §9.2 steps 3-4); returns the room left, if bounded."""
+        bound = body.get("max_prompt_tokens")
+        if bound is not None:
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                raise _TurnFailed(
+                    _error(400, f"max_prompt_tokens must be a non-negative integer, got {bound!r}")
+                )
+            if prompt_tokens > bound:
+                raise _TurnFailed(
+                    _error(
+                        400,
+                        f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens={bound}",
+                        CONTEXT_LENGTH_EXCEEDED,
+                    )
+                )
+        if self.max_model_len is None:
+            return None
+        room = self.max_model_len - prompt_tokens
+        if room <= 0:
+            raise _TurnFailed(
+                _error(
+                    400,
+                    f"prompt of {prompt_tokens} tokens leaves no room within "
+                    f"max_model_len={self.max_model_len}",
+                    CONTEXT_LENGTH_EXCEEDED,
+                )
+            )
+        return room
+
+    async def _generate(
+        self, trajectory: Trajectory, request: dict[str, Any], routes_from: int
+    ) -> EngineOutput:
+        """Call the engine and read its reply; failures are recorded and answered 502/5xx (D-14)."""
+        try:
+            status, content = await self._post_engine(trajectory.id, orjson.dumps(request))
+            if status != 200:
+                text = content[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")
+                trajectory.add_failure(status, text)
+                reply = _error(status if status >= 500 else 502, f"engine returned HTTP {status}")
+                raise _TurnFailed(reply)
+            try:
+                data = orjson.loads(content)
+            except orjson.JSONDecodeError as exc:
+                raise EngineError(f"the reply is not JSON: {exc}") from exc
+            return self.engine.parse(data, routes_from=routes_from)
+        except EngineError as exc:
+            problem = f"engine: {exc}"
+            trajectory.add_failure(None, problem)
+            raise _TurnFailed(_error(502, problem)) from exc
+
+    async def _post_engine(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
+        """POST the generate request: (status, body); transport failures raise EngineError."""
+        url = self.upstream_url + self.engine.generate_path
+        headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
+        try:
+            response = await self._http().post(url, content=payload, headers=headers)
+        except httpx.ConnectTimeout as exc:
+            raise EngineError(f"could not connect to {url} within {CONNECT_TIMEOUT:g} s") from exc
+        except httpx.TimeoutException as exc:
+            raise EngineError(f"timed out after {self.upstream_timeout:g} s") from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{type(exc).__name__} calling {url}: {exc}") from exc
+        return response.status_code, response.content
+
+    def _commit(
+        self,
+        trajectory: Trajectory,
+        plan: Plan,
+        output: EngineOutput,
+        stored: dict[str, Any],
+        call: dict[str, Any],
+        tools: list[Any] | None,
+        model: str,
+        state: _TrajectoryState,
+    ) -> str:
+        """Commit on the event loop; a CommitError seals the trajectory `failed` (graph.md §8)."""
+        try:
+            node = commit_turn(
+                trajectory,
+                plan,
+                output,
+                stored,
+                call,
+                tools=tools,
+                model=model,
+                experts_shape=state.experts_shape,
+            )
+        except CommitError as exc:
+            trajectory.add_failure(None, f"token attribution: {exc}")
+            trajectory.seal(FAILED)
+            return "failed"
+        if node is None:
+            raise _TurnFailed(
+                _error(410, f"trajectory is {trajectory.status}", "trajectory_closed")
+            )
+        if output.routed_experts is not None and state.experts_shape is None:
+            state.experts_shape = tuple(output.routed_experts.shape[1:])
+        return "ok"
+
+    def _answer(
+        self,
+        body: dict[str, Any],
+        plan: Plan,
+        output: EngineOutput,
+        message: dict[str, Any],
+        reason: str,
+        status: str,
+    ) -> Reply:
+        requested = body.get("model")
+        content = dict(
+            id=completion_id(),
+            created=int(time.time()),
+            model=requested if isinstance(requested, str) and requested else self.model or "",
+            message=message,
+            finish_reason=reason,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(output.completion_ids),
+        )
+        headers = {"x-skycap-status": status}
+        if body.get("stream") is True:
+            headers |= {"content-type": "text/event-stream", "cache-control": "no-cache"}
+            payload = completion_sse(**content)
+        else:
+            headers["content-type"] = "application/json"
+            payload = completion_json(**content)
+        return Reply(200, headers, payload, replayable=status == "ok")
+
+    # -- other routes and lifecycle -------------------------------------------------------
+
+    async def models(self) -> Reply:
+        """`GET /t/{id}/v1/models` (http.md §9.9)."""
+        if self.model:
+            listing = {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "owned_by": "skycap"}],
+            }
+            return Reply(200, {"content-type": "application/json"}, orjson.dumps(listing))
+        url = self.upstream_url + "/v1/models"
+        try:
+            response = await self._http().get(url, headers=self._auth())
+        except httpx.HTTPError as exc:
+            return _error(502, f"engine: {type(exc).__name__} calling {url}: {exc}")
+        content_type = response.headers.get("content-type", "application/json")
+        return Reply(response.status_code, {"content-type": content_type}, response.content)
+
+    async def release(self, trajectory_id: str) -> None:
+        """Drop the trajectory's turn state and release the engine's (best effort, http.md §11)."""
+        self._states.pop(trajectory_id, None)
+        if not self.engine.release_path:
+            return
+        url = self.upstream_url + self.engine.release_path
+        try:
+            response = await self._http().post(
+                url,
+                params={"session_id": trajectory_id},
+                headers=self._auth(),
+                timeout=RELEASE_TIMEOUT,
+            )
+        except httpx.HTTPError as exc:
+            log.info("engine release of %s failed: %s: %s", trajectory_id, type(exc).__name__, exc)
+            return
+        if response.status_code >= 400:
+            log.info("engine release of %s answered HTTP %s", trajectory_id, response.status_code)
+
+    async def close(self) -> None:
+        """Close the HTTP client and stop the renderer threads (off the event loop)."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        await asyncio.to_thread(self._pool.close)
+
+    def decode_spans(self, token_ids: Any, context: Any = ()) -> tuple[bytes, list[int]]:
+        """Decode a node's tokens with byte offsets (format.md §10.2); blocking, thread-safe.
+
+        For the record writer, which calls it from a worker thread; it holds a renderer
+        slot like any other renderer work.
+        """
+        return self._pool.call(lambda r: r.decode_spans(token_ids, context))
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _http(self) -> httpx.AsyncClient:
+        """One client per backend, made on first use (so on the serving event loop)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=CONNECT_TIMEOUT,
+                    read=self.upstream_timeout,
+                    write=self.upstream_timeout,
+                    pool=None,
+                ),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._client
+
+
+def _error(status: int, message: str, code: str | None = None) -> Reply:
+    return Reply(status, {"content-type": "application/json"}, openai_error(status, message, code))
+
+
+def _renderer_pool(
+    tokenizer: str | None,
+    renderer: Renderer | None,
+    renderer_name: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    size: int,
+) -> RendererPool:
+    """The default library renderer pool, or a ready renderer in a one-slot pool."""
+    if isinstance(renderer, str):
+        raise ValueError(
+            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
+            "name as renderer_name= (--renderer)"
+        )
+    if (tokenizer is None) == (renderer is None):
+        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
+    if renderer is not None:
+        if renderer_name is not None or chat_template_kwargs is not None:
+            raise ValueError(
+                "renderer_name and chat_template_kwargs configure the default renderer; "
+                "they cannot be combined with a ready renderer="
+            )
+        return RendererPool(lambda: renderer, 1)
+    return RendererPool(
+        lambda: LibraryRenderer(
+            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
+        ),
+        size,
+    )

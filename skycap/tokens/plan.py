@@ -1,0 +1,345 @@
+"""The token-mode turn plan: match, respellings, bridge, full render, attribution (graph.md §7).
+
+A plan is computed on a renderer worker thread, never on the event loop, while the
+trajectory's turn lock is held (so the graph does not change under it). It reads the graph
+and may register respelling aliases; nodes are only added by the commit
+(skycap.tokens.commit) once the engine has answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from skycap.graph import Graph, Node
+from skycap.hashing import loose_fields, token_match
+from skycap.tokens.renderer import Renderer, RenderError
+
+
+class PlanError(ValueError):
+    """The request cannot become attributed tokens: HTTP 400 before inference (graph.md §8)."""
+
+
+@dataclass(slots=True)
+class NewMessage:
+    """A request message the commit adds as a client node, with its token chunk."""
+
+    message: dict[str, Any]
+    match_hash: str
+    ids: np.ndarray
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the engine is sent and how the commit attributes it.
+
+    `prompt_ids` is the whole prompt: `reused` tokens already in the graph on the path to
+    `parent`, then each new message's chunk, then `scaffold` (the generation prompt, which
+    becomes the model node's scaffold). `bridged` is recorded on the call (None: the graph
+    was empty when the turn was planned).
+    """
+
+    prompt_ids: list[int]
+    parent: int | None
+    new: list[NewMessage]
+    scaffold: np.ndarray
+    bridged: bool | None
+    reused: int
+    routes_from: int
+
+
+def plan_turn(
+    graph: Graph,
+    renderer: Renderer,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None,
+    tools_key: str,
+    model: str,
+) -> Plan:
+    """Plan one turn for `messages` (graph.md §7.1-§7.4); PlanError on a plan error."""
+    if not messages:
+        raise PlanError("`messages` is empty: a turn needs at least one message to render")
+    tools = tools or None
+    hashes = [token_match(m, tools_key, model) for m in messages]
+    matched = _match(graph, renderer, messages, hashes, tools, tools_key, model)
+    carried = [graph[node_id].match_hash for node_id in matched] + hashes[len(matched) :]
+    plan = _bridge(graph, renderer, messages, carried, matched, tools)
+    if plan is None:
+        plan = _full_render(graph, renderer, messages, carried, matched, tools)
+    return plan
+
+
+# -- match (§7.1) --------------------------------------------------------------------------
+
+
+def _match(
+    graph: Graph,
+    renderer: Renderer,
+    messages: list[dict[str, Any]],
+    hashes: list[str],
+    tools: list[Any] | None,
+    tools_key: str,
+    model: str,
+) -> list[int]:
+    """Node ids of the matched prefix; respellings are tried only at a miss (D-16)."""
+    matched = graph.walk(hashes)
+    request_ids: list[int] | None = None
+    while len(matched) < len(messages):
+        index = len(matched)
+        parent = matched[-1] if matched else None
+        candidates = _respelling_candidates(graph, parent, messages[index], tools_key, model)
+        if not candidates:
+            break
+        if request_ids is None:
+            request_ids = _render_ids(renderer, messages, tools)
+        found = next(
+            (
+                c
+                for c in candidates
+                if _renders_as(renderer, messages, index, graph[c].message, tools, request_ids)
+            ),
+            None,
+        )
+        if found is None:
+            break
+        graph.aliases.setdefault((parent, hashes[index]), found)
+        matched = [*matched, found, *graph.walk(hashes[index + 1 :], start=found)]
+    return matched
+
+
+def _respelling_candidates(
+    graph: Graph, parent: int | None, message: dict[str, Any], tools_key: str, model: str
+) -> list[int]:
+    """Children of `parent` that differ from `message` at most in empty strings, one per match hash.
+
+    A child counts only if its stored match hash is the token match of its own message
+    under this call's tools and model; per hash, model-authored wins, then the newest.
+    """
+    loose = loose_fields(message)
+    best: dict[str, Node] = {}
+    for child_id in graph.children(parent):
+        child = graph[child_id]
+        if loose_fields(child.message) != loose:
+            continue
+        if token_match(child.message, tools_key, model) != child.match_hash:
+            continue
+        held = best.get(child.match_hash)
+        if held is None or (child.is_model, child.id) > (held.is_model, held.id):
+            best[child.match_hash] = child
+    return [node.id for node in best.values()]
+
+
+def _renders_as(
+    renderer: Renderer,
+    messages: list[dict[str, Any]],
+    index: int,
+    substitute: dict[str, Any],
+    tools: list[Any] | None,
+    request_ids: list[int],
+) -> bool:
+    respelled = [*messages[:index], substitute, *messages[index + 1 :]]
+    try:
+        return renderer.render(respelled, tools).token_ids == request_ids
+    except RenderError:
+        return False
+
+
+def _render_ids(
+    renderer: Renderer, messages: list[dict[str, Any]], tools: list[Any] | None
+) -> list[int]:
+    try:
+        return list(renderer.render(messages, tools).token_ids)
+    except RenderError as exc:
+        raise PlanError(str(exc)) from exc
+
+
+# -- bridge (§7.2) -------------------------------------------------------------------------
+
+
+def _bridge(
+    graph: Graph,
+    renderer: Renderer,
+    messages: list[dict[str, Any]],
+    carried: list[str],
+    matched: list[int],
+    tools: list[Any] | None,
+) -> Plan | None:
+    """Extend the deepest matched model call's exact tokens, or None to render in full."""
+    at = _deepest_sampled(graph, matched)
+    if at is None or at == len(messages) - 1:
+        return None
+    path = [graph[node_id] for node_id in matched[: at + 1]]
+    model_tokens = path[-1].tokens
+    prompt = np.concatenate(
+        [node.tokens.ids for node in path[:-1]] + [model_tokens.ids[: model_tokens.sampled_start]]
+    ).tolist()
+    completion = model_tokens.ids[model_tokens.sampled_start :].tolist()
+    new_messages = messages[at + 1 :]
+    try:
+        result = renderer.bridge(prompt, completion, new_messages, tools)
+    except RenderError:
+        return None
+    reused = len(prompt) + len(completion)
+    if (
+        result is None
+        or result.reused != reused
+        or result.token_ids[: len(prompt)] != prompt
+        or result.token_ids[len(prompt) : reused] != completion
+    ):
+        return None
+    tail = np.asarray(result.token_ids[reused:], dtype=np.int32)
+    chunks, scaffold = attribute(tail, result.message_indices, len(new_messages))
+    return Plan(
+        prompt_ids=result.token_ids,
+        parent=path[-1].id,
+        new=_new_messages(new_messages, carried[at + 1 :], chunks),
+        scaffold=scaffold,
+        bridged=True,
+        reused=reused,
+        routes_from=_routes_from(path, reused),
+    )
+
+
+def _deepest_sampled(graph: Graph, matched: list[int]) -> int | None:
+    """Index in `matched` of the deepest model node with tokens and a sampled_start."""
+    for index in range(len(matched) - 1, -1, -1):
+        node = graph[matched[index]]
+        if node.is_model and node.tokens is not None and node.tokens.sampled_start is not None:
+            return index
+    return None
+
+
+# -- full render (§7.3) --------------------------------------------------------------------
+
+
+def _full_render(
+    graph: Graph,
+    renderer: Renderer,
+    messages: list[dict[str, Any]],
+    carried: list[str],
+    matched: list[int],
+    tools: list[Any] | None,
+) -> Plan:
+    """Render everything; keep the matched nodes whose tokens the render reproduces exactly."""
+    try:
+        result = renderer.render(messages, tools)
+    except RenderError as exc:
+        raise PlanError(str(exc)) from exc
+    ids = np.asarray(result.token_ids, dtype=np.int32)
+    owner = _owners(ids, result.message_indices, len(messages))
+    kept, reused = _kept_prefix(graph, matched, ids, owner)
+    tail_owner = owner[reused:] - kept
+    # Tokens after a kept model node that the template adds to its message (the separator
+    # after the stop token, or a close synthesised after a truncated reply) are scaffold of
+    # the first new message, as in a bridge (D-17).
+    np.maximum(tail_owner, 0, out=tail_owner)
+    chunks, scaffold = _split(ids[reused:], tail_owner, len(messages) - kept)
+    path = [graph[node_id] for node_id in matched[:kept]]
+    return Plan(
+        prompt_ids=result.token_ids,
+        parent=path[-1].id if path else None,
+        new=_new_messages(messages[kept:], carried[kept:], chunks),
+        scaffold=scaffold,
+        bridged=False if len(graph) else None,
+        reused=reused,
+        routes_from=_routes_from(path, reused),
+    )
+
+
+def _kept_prefix(
+    graph: Graph, matched: list[int], ids: np.ndarray, owner: np.ndarray
+) -> tuple[int, int]:
+    """(number of matched nodes kept, tokens they cover) for a full render (D-16).
+
+    A node is kept while its tokens equal the render's at the running offset and hold no
+    token of a later message. A client node must also end on its message's boundary; a
+    model node is kept when scaffold + completion (stop token included) match exactly.
+    """
+    offset = 0
+    total = int(ids.shape[0])
+    for index, node_id in enumerate(matched):
+        node = graph[node_id]
+        tokens = node.tokens
+        if tokens is None or tokens.media:
+            return index, offset
+        end = offset + tokens.length
+        if end > total or not np.array_equal(ids[offset:end], tokens.ids):
+            return index, offset
+        if end > offset and owner[end - 1] > index:
+            return index, offset
+        if not node.is_model and end < total and owner[end] <= index:
+            return index, offset
+        offset = end
+    return len(matched), offset
+
+
+# -- attribution (§7.4) --------------------------------------------------------------------
+
+
+def attribute(
+    ids: np.ndarray, indices: Sequence[int], count: int
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Split `ids` into one chunk per message (scaffold goes to the following message) and the
+    trailing generation prompt; PlanError on indices that cannot be attributed."""
+    return _split(ids, _owners(ids, indices, count), count)
+
+
+def _owners(ids: np.ndarray, indices: Sequence[int], count: int) -> np.ndarray:
+    """Per token, the message it belongs to; `count` for the trailing generation prompt."""
+    if len(indices) != ids.shape[0]:
+        raise PlanError(
+            f"renderer returned {ids.shape[0]} token ids but {len(indices)} message indices; "
+            "each token needs exactly one"
+        )
+    index = np.asarray(indices, dtype=np.int64)
+    if index.size and index.min() < -1:
+        raise PlanError(
+            f"renderer attributed a token to message {int(index.min())}; indices must be "
+            "-1 (scaffold) or a message position"
+        )
+    real = index[index >= 0]
+    if real.size and real.max() >= count:
+        raise PlanError(f"renderer attributed a token to message {int(real.max())} of {count}")
+    steps = np.flatnonzero(np.diff(real) < 0)
+    if steps.size:
+        at = int(steps[0])
+        raise PlanError(
+            f"renderer attributions are not in message order: message {int(real[at + 1])} "
+            f"after message {int(real[at])}"
+        )
+    filled = np.where(index < 0, count, index)
+    return np.minimum.accumulate(filled[::-1])[::-1]
+
+
+def _split(ids: np.ndarray, owner: np.ndarray, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Chunks are copies: a node must not keep a whole rendered prompt alive through a view."""
+    bounds = np.searchsorted(owner, np.arange(count + 1), side="left").tolist()
+    chunks = [ids[bounds[i] : bounds[i + 1]].copy() for i in range(count)]
+    return chunks, ids[bounds[count] :].copy()
+
+
+def _new_messages(
+    messages: list[dict[str, Any]], hashes: list[str], chunks: list[np.ndarray]
+) -> list[NewMessage]:
+    return [
+        NewMessage(message, match, chunk)
+        for message, match, chunk in zip(messages, hashes, chunks, strict=True)
+    ]
+
+
+def _routes_from(path: list[Node], reused: int) -> int:
+    """First position whose routed experts the engine must return (graph.md §7.7).
+
+    0 (everything) unless every node on the path holds a complete set of rows; then the
+    prefix's final position, so its placeholder row is replaced by the real one.
+    """
+    if not path or reused == 0:
+        return 0
+    for node in path:
+        tokens = node.tokens
+        if tokens is None or tokens.experts is None or tokens.experts.shape[0] != tokens.length:
+            return 0
+    return reused - 1

@@ -1,0 +1,108 @@
+"""Token-mode answers: the reply message, JSON body and synthesised SSE (http.md §9.5-9.7)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from skycap.tokens.renderer import Renderer, parse_reply, raw_content
+
+
+def reply_messages(
+    renderer: Renderer,
+    completion_ids: Sequence[int],
+    tools: list[Any] | None,
+    prompt_ids: Sequence[int],
+    *,
+    use_raw_content: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(message stored on the model node, message answered to the harness).
+
+    Parsed replies are stored as answered. Raw content (`--use-raw-content`) stores only
+    role and content and answers with `reasoning_content: null` as well, so a harness that
+    replays `content` verbatim stays on one path. Runs on a renderer worker thread.
+    """
+    if use_raw_content:
+        stored = {
+            "role": "assistant",
+            "content": raw_content(renderer, completion_ids, prompt_ids[-8:]),
+        }
+        return stored, {**stored, "reasoning_content": None}
+    message = parse_reply(renderer, completion_ids, tools, prompt_ids)
+    return message, message
+
+
+def finish_reason(engine_reason: str, message: dict[str, Any]) -> str:
+    """The engine's reason, except `stop` becomes `tool_calls` when the reply calls tools."""
+    if engine_reason == "stop" and message.get("tool_calls"):
+        return "tool_calls"
+    return engine_reason
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def completion_json(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    """The non-streamed `chat.completion` body (http.md §9.6)."""
+    return orjson.dumps(
+        {
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {"index": 0, "finish_reason": finish_reason, "logprobs": None, "message": message}
+            ],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+    )
+
+
+def completion_sse(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    """The whole synthesised stream as one buffered body (http.md §9.7)."""
+    head = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def frame(delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        return b"data: " + orjson.dumps({**head, "choices": [choice], **extra}) + b"\n\n"
+
+    frames = [frame({"role": "assistant"})]
+    if message.get("reasoning_content"):
+        frames.append(frame({"reasoning_content": message["reasoning_content"]}))
+    if message.get("content"):
+        frames.append(frame({"content": message["content"]}))
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        frames.append(frame({"tool_calls": [{"index": index, **call}]}))
+    frames.append(frame({}, finish_reason, usage=_usage(prompt_tokens, completion_tokens)))
+    frames.append(b"data: [DONE]\n\n")
+    return b"".join(frames)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

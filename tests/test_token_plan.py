@@ -1,0 +1,323 @@
+"""Tests of the token-mode plan: match with respellings, bridge, full render and attribution."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from skycap.graph import Tokens
+from skycap.hashing import token_match, tools_hash
+from skycap.tokens.commit import commit_turn
+from skycap.tokens.engine import EngineOutput
+from skycap.tokens.plan import Plan, PlanError, attribute, plan_turn
+from skycap.tokens.renderer import LibraryRenderer, Rendered
+from skycap.trajectory import Trajectory
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CALL = (
+    "<think>\nlook it up\n</think>\n\n<tool_call>\n"
+    '{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
+)
+START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "find x"}]
+
+
+@pytest.fixture(scope="module")
+def renderer(qwen3_dir: Path) -> LibraryRenderer:
+    return LibraryRenderer(qwen3_dir, renderer_name="qwen3")
+
+
+def new_trajectory() -> Trajectory:
+    return Trajectory("tr_00000000000000aa", capture={"mode": "tokens"})
+
+
+def encode(renderer: LibraryRenderer, text: str, stop: bool = True) -> list[int]:
+    ids = renderer._tokenizer.encode(text, add_special_tokens=False)
+    return ids + [renderer.stop_token_ids[0]] if stop else ids
+
+
+def decode(renderer: LibraryRenderer, ids: Any) -> str:
+    return renderer._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def plan(traj: Trajectory, renderer: Any, messages: list[dict[str, Any]], tools=TOOLS) -> Plan:
+    return plan_turn(traj.graph, renderer, messages, tools, tools_hash(tools), "policy")
+
+
+def hashes(messages: list[dict[str, Any]]) -> list[str]:
+    return [token_match(m, tools_hash(TOOLS), "policy") for m in messages]
+
+
+def turn(
+    traj: Trajectory, renderer: LibraryRenderer, messages: list[dict[str, Any]], text: str
+) -> tuple[Plan, dict[str, Any]]:
+    """Plan, 'sample' `text`, commit; return the plan and the parsed reply."""
+    p = plan(traj, renderer, messages)
+    ids = encode(renderer, text)
+    reply = renderer.parse(ids, TOOLS, p.prompt_ids)
+    output = EngineOutput(ids, [-0.5] * len(ids), "stop")
+    call = {"t_start": time.time(), "t_end": time.time(), "model": "policy", "sampling": {}}
+    commit_turn(traj, p, output, reply, call, tools=TOOLS, model="policy")
+    return p, reply
+
+
+def flat(p: Plan) -> list[int]:
+    parts = [m.ids for m in p.new] + [p.scaffold]
+    return np.concatenate(parts).tolist()
+
+
+def test_empty_messages_is_a_plan_error(renderer: LibraryRenderer) -> None:
+    with pytest.raises(PlanError, match="`messages` is empty"):
+        plan(new_trajectory(), renderer, [])
+
+
+def test_first_turn_is_a_full_render_with_null_bridged(renderer: LibraryRenderer) -> None:
+    p = plan(new_trajectory(), renderer, START)
+    assert p.bridged is None and p.parent is None and p.reused == 0 and p.routes_from == 0
+    assert p.prompt_ids == renderer.render(START, TOOLS).token_ids
+    assert flat(p) == p.prompt_ids
+    assert decode(renderer, p.scaffold) == "<|im_start|>assistant\n"
+    assert decode(renderer, p.new[1].ids) == "<|im_start|>user\nfind x<|im_end|>\n"
+    assert [m.match_hash for m in p.new] == hashes(START)
+
+
+def test_render_errors_are_plan_errors(renderer: LibraryRenderer) -> None:
+    with pytest.raises(PlanError, match="cannot render these messages"):
+        plan(new_trajectory(), renderer, [{"content": "no role"}])
+
+
+def test_second_turn_bridges_from_the_model_node(renderer: LibraryRenderer) -> None:
+    traj = new_trajectory()
+    first, reply = turn(traj, renderer, START, TOOL_CALL)
+    model_node = traj.graph[2]
+    messages = [*START, reply, {"role": "tool", "tool_call_id": "c", "content": "x=1"}]
+    p = plan(traj, renderer, messages)
+    prev = first.prompt_ids + encode(renderer, TOOL_CALL)
+    assert p.bridged is True and p.parent == model_node.id
+    assert p.reused == len(prev) and p.prompt_ids[: len(prev)] == prev
+    assert p.prompt_ids[p.reused :] == flat(p)
+    assert [m.message for m in p.new] == [messages[-1]]
+    # D-17: the separator after the sampled stop token is scaffold of the tool message.
+    assert decode(renderer, p.new[0].ids).startswith("\n<|im_start|>user\n<tool_response>")
+    assert p.routes_from == 0  # no node holds routed experts
+
+
+def test_routes_from_is_the_prefix_end_when_every_node_has_complete_rows(
+    renderer: LibraryRenderer,
+) -> None:
+    traj = new_trajectory()
+    _, reply = turn(traj, renderer, START, TOOL_CALL)
+    for node in traj.graph:
+        node.tokens.experts = np.zeros((node.tokens.length, 2, 2), dtype=np.uint8)
+    messages = [*START, reply, {"role": "tool", "tool_call_id": "c", "content": "x=1"}]
+    p = plan(traj, renderer, messages)
+    assert p.routes_from == p.reused - 1
+    traj.graph[0].tokens.experts = traj.graph[0].tokens.experts[:-1]  # incomplete rows
+    assert plan(traj, renderer, messages).routes_from == 0
+
+
+def test_dropped_reasoning_misses_and_forks_with_a_full_render(renderer: LibraryRenderer) -> None:
+    traj = new_trajectory()
+    _, reply = turn(traj, renderer, START, TOOL_CALL)
+    edited = {k: v for k, v in reply.items() if k != "reasoning_content"}
+    messages = [*START, edited, {"role": "tool", "tool_call_id": "c", "content": "x=1"}]
+    p = plan(traj, renderer, messages)
+    assert p.bridged is False and p.parent == 1  # under the user node, beside the model node
+    assert [m.message for m in p.new] == messages[2:]
+    assert p.prompt_ids == renderer.render(messages, TOOLS).token_ids
+    assert p.reused == traj.graph[0].tokens.length + traj.graph[1].tokens.length
+    assert traj.graph.aliases == {}
+
+
+def test_respelled_reply_is_aliased_after_a_render_check_and_bridges(
+    renderer: LibraryRenderer,
+) -> None:
+    traj = new_trajectory()
+    _, reply = turn(traj, renderer, START, TOOL_CALL)
+    assert reply["content"] == ""
+    respelled = {**reply, "content": None, "refusal": None}  # same render, other hash
+    messages = [*START, respelled, {"role": "tool", "tool_call_id": "c", "content": "x=1"}]
+    p = plan(traj, renderer, messages)
+    assert p.bridged is True and p.parent == 2
+    assert traj.graph.aliases == {(1, hashes([respelled])[0]): 2}
+    # The alias now serves the walk directly; no render check is needed.
+    assert traj.graph.walk(hashes(messages)) == [0, 1, 2]
+
+
+def test_full_render_keeps_a_model_node_it_reproduces_and_gives_its_separator_to_the_next(
+    renderer: LibraryRenderer,
+) -> None:
+    traj = new_trajectory()
+    _, reply = turn(traj, renderer, START, "Hello.")
+    written = {"role": "assistant", "content": "written by the harness"}
+    messages = [
+        *START,
+        reply,
+        {"role": "user", "content": "a"},
+        written,
+        {"role": "user", "content": "b"},
+    ]
+    p = plan(traj, renderer, messages)
+    assert p.bridged is False  # the tail holds an assistant message (D-17)
+    assert p.parent == 2 and p.reused == sum(traj.graph[i].tokens.length for i in range(3))
+    assert p.prompt_ids == renderer.render(messages, TOOLS).token_ids
+    assert decode(renderer, p.new[0].ids) == "\n<|im_start|>user\na<|im_end|>\n"
+
+
+def test_full_render_forks_at_a_node_whose_tokens_disagree(renderer: LibraryRenderer) -> None:
+    traj = new_trajectory()
+    turn(traj, renderer, START, "Hello.")
+    traj.graph[1].tokens = Tokens(ids=np.asarray([1, 2, 3], dtype=np.int32))
+    p = plan(traj, renderer, [*START, {"role": "user", "content": "more"}])
+    assert p.bridged is False and p.parent == 0 and p.reused == traj.graph[0].tokens.length
+    assert [m.message for m in p.new] == [START[1], {"role": "user", "content": "more"}]
+
+
+class FakeRenderer:
+    """Message i renders as [7, 100 + i, 200 + number of its keys]; 7 is scaffold (index -1).
+
+    The key count makes a respelling with an extra empty field render differently when
+    `counts_keys` is set. Indices can be replaced to test attribution errors. Never bridges.
+    """
+
+    name = "fake"
+    stop_token_ids = [9]
+
+    def __init__(self, indices: list[int] | None = None, counts_keys: bool = False) -> None:
+        self.indices = indices
+        self.counts_keys = counts_keys
+
+    def render(self, messages: list[dict[str, Any]], tools: Any) -> Rendered:
+        ids: list[int] = []
+        indices: list[int] = []
+        for i, message in enumerate(messages):
+            ids += [7, 100 + i, 200 + (len(message) if self.counts_keys else 0)]
+            indices += [-1, i, i]
+        ids.append(8)
+        indices.append(-1)
+        return Rendered(ids, self.indices if self.indices is not None else indices)
+
+    def bridge(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def fake_turn(traj: Trajectory, renderer: FakeRenderer, messages: list[dict[str, Any]]) -> Plan:
+    p = plan(traj, renderer, messages, tools=None)
+    output = EngineOutput([55, 9], [-0.1, -0.2], "stop")
+    call = {"t_start": 1.0, "t_end": 2.0, "model": "policy", "sampling": {}}
+    reply = {"role": "assistant", "content": "ok"}
+    commit_turn(traj, p, output, reply, call, tools=None, model="policy")
+    return p
+
+
+USER_A = {"role": "user", "content": "a"}
+
+
+def test_a_loose_equal_respelling_that_renders_alike_is_aliased() -> None:
+    traj = new_trajectory()
+    fake = FakeRenderer()
+    fake_turn(traj, fake, [USER_A])
+    respelled = {"role": "user", "content": "a", "name": ""}
+    p = plan(traj, fake, [respelled], tools=None)
+    assert traj.graph.aliases == {(None, token_match(respelled, "", "policy")): 0}
+    assert p.parent == 0 and p.new == [] and p.reused == 3  # node 0 reproduces exactly
+
+
+def test_a_loose_equal_respelling_that_renders_differently_forks() -> None:
+    traj = new_trajectory()
+    fake = FakeRenderer(counts_keys=True)
+    fake_turn(traj, fake, [USER_A])
+    respelled = {"role": "user", "content": "a", "name": ""}
+    p = plan(traj, fake, [respelled], tools=None)
+    assert traj.graph.aliases == {}
+    assert p.parent is None and p.bridged is False  # a new root beside node 0
+
+
+def test_a_message_differing_in_more_than_empty_strings_is_not_render_checked() -> None:
+    traj = new_trajectory()
+    fake_turn(traj, FakeRenderer(), [USER_A])
+    renders: list[int] = []
+
+    class Counting(FakeRenderer):
+        def render(self, messages: list[dict[str, Any]], tools: Any) -> Rendered:
+            renders.append(len(messages))
+            return super().render(messages, tools)
+
+    plan(traj, Counting(), [{"role": "user", "content": "b"}], tools=None)
+    assert renders == [1]  # the full render only
+
+
+def test_full_render_model_node_leftover_is_scaffold_of_the_next_message() -> None:
+    """A kept model node may end before its message's last rendered token (D-16, D-17)."""
+    traj = new_trajectory()
+    fake = FakeRenderer()
+    first = fake_turn(traj, fake, [USER_A])
+    assert first.scaffold.tolist() == [8]
+
+    class Wrapped(FakeRenderer):
+        """Renders an assistant message as scaffold [8] + sampled [55, 9] + separator [3]."""
+
+        def render(self, messages: list[dict[str, Any]], tools: Any) -> Rendered:
+            ids, indices = [7, 100, 200], [-1, 0, 0]
+            for i, m in enumerate(messages[1:], start=1):
+                if m["role"] == "assistant":
+                    ids += [8, 55, 9, 3]
+                    indices += [i, i, i, i]
+                else:
+                    ids += [7, 100 + i, 200]
+                    indices += [-1, i, i]
+            return Rendered([*ids, 8], [*indices, -1])
+
+    messages = [USER_A, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "b"}]
+    p = plan(traj, Wrapped(), messages, tools=None)
+    assert p.parent == 1 and p.reused == 6 and p.bridged is False
+    assert [m.ids.tolist() for m in p.new] == [[3, 7, 102, 200]]
+    assert p.scaffold.tolist() == [8]
+
+
+def test_full_render_client_node_must_end_on_its_message_boundary() -> None:
+    traj = new_trajectory()
+    fake_turn(traj, FakeRenderer(), [USER_A])
+
+    class Longer(FakeRenderer):
+        """Renders the user message one token longer than it was committed."""
+
+        def render(self, messages: list[dict[str, Any]], tools: Any) -> Rendered:
+            return Rendered([7, 100, 200, 4, 8], [-1, 0, 0, 0, -1])
+
+    p = plan(traj, Longer(), [USER_A], tools=None)
+    assert p.parent is None and [m.ids.tolist() for m in p.new] == [[7, 100, 200, 4]]
+
+
+@pytest.mark.parametrize(
+    ("indices", "error"),
+    [
+        ([-1, 0, 0, -1, 3, 3, -1], "attributed a token to message 3 of 2"),
+        ([-1, 1, 1, -1, 0, 0, -1], "not in message order: message 0 after message 1"),
+        ([-2, 0, 0, -1, 1, 1, -1], "message -2"),
+        ([-1, 0, 0], "7 token ids but 3 message indices"),
+    ],
+)
+def test_bad_renderer_attribution_is_a_plan_error(indices: list[int], error: str) -> None:
+    messages = [USER_A, {"role": "user", "content": "b"}]
+    with pytest.raises(PlanError, match=error):
+        plan(new_trajectory(), FakeRenderer(indices), messages, tools=None)
+
+
+def test_attribute_gives_scaffold_to_the_following_message_and_the_tail_to_the_model() -> None:
+    ids = np.arange(10, dtype=np.int32)
+    chunks, scaffold = attribute(ids, [-1, 0, 0, -1, -1, 2, -1, -1, -1, -1], 3)
+    assert [c.tolist() for c in chunks] == [[0, 1, 2], [], [3, 4, 5]]
+    assert scaffold.tolist() == [6, 7, 8, 9]
