@@ -1,0 +1,284 @@
+"""Text-mode overhead benchmark (D-26): direct, a no-op lean mitmproxy, and skycap, in one run.
+
+    uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
+
+The mock upstream, the no-op proxy and skycap each run in their own process; the load
+generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
+sends the same chat body, non-streamed and streamed, to each target, in interleaved
+rounds (so load from elsewhere on the machine hits every target alike). Proxy CPU comes from
+/proc/<pid>/stat (utime + stime) around each measurement. Printed per cell: throughput,
+p50/p99 latency and proxy CPU per call; then skycap's additions over the no-op proxy
+(targets: <= 0.2 ms CPU and <= 0.3 ms p50 per call) and over direct (goal <= 1.0 ms p50,
+never above 1.5 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MESSAGES = [
+    {"role": "system", "content": "You are a careful coding agent. " * 8},
+    {"role": "user", "content": "Find the bug in the parser and fix it. " * 4},
+    {"role": "assistant", "content": "I will read the parser first.", "tool_calls": None},
+    {"role": "user", "content": "Go ahead."},
+]
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+
+
+# -- the processes under test ----------------------------------------------------------------
+
+
+def role_upstream() -> None:
+    from skycap.mock.upstream import ScriptedUpstream
+
+    upstream = ScriptedUpstream()
+    print(upstream.start(), flush=True)
+    sys.stdin.read()
+    upstream.stop()
+
+
+class Retarget:
+    """The no-op proxy: send every request to the mock upstream, relay event streams as
+    they arrive (a proxy that buffered them would not be a fair baseline for streaming)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+
+    def request(self, flow) -> None:
+        data = flow.request.data
+        data.scheme, data.host, data.port = b"http", self.host, self.port
+
+    def responseheaders(self, flow) -> None:
+        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+            flow.response.stream = True
+
+
+def role_proxy(kind: str, upstream_url: str) -> None:
+    from skycap.server.options import ServerOptions
+    from skycap.server.runner import serve
+
+    options = ServerOptions(upstream_url)
+    addons = None
+    if kind == "noop":
+        _, host, port = options.upstream_origin
+        addons = [Retarget(host, port)]
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sys.stdin.fileno(), stop.set)
+        await serve(
+            options, ready=lambda url: print(url, flush=True), stop_event=stop, addons=addons
+        )
+
+    asyncio.run(main())
+
+
+class Child:
+    """A role in a subprocess; its first stdout line is its URL; closing stdin stops it."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--role", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.url = self.process.stdout.readline().strip()
+        if not self.url.startswith("http"):
+            raise RuntimeError(f"{args[0]} did not start")
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+# -- the load generator ------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    target: str
+    stream: bool
+    concurrency: int
+    requests: int
+    seconds: float
+    latencies: list[float]
+    cpu: float | None
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies) * 1000
+
+    @property
+    def p99(self) -> float:
+        return statistics.quantiles(self.latencies, n=100)[98] * 1000
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def cpu_ms(self) -> float | None:
+        return None if self.cpu is None else self.cpu / self.requests * 1000
+
+
+async def drive(
+    clients: list[httpx.AsyncClient], urls: list[str], body: bytes, stream: bool, total: int
+) -> tuple[float, list[float]]:
+    """One worker per client (one keep-alive connection each), `total` requests in all.
+
+    A client per worker, not one pooled client: httpx's pool costs grow with its size and
+    would make the load generator, not the proxy, the bottleneck at 64.
+    """
+    latencies: list[float] = []
+    remaining = [total]
+
+    async def worker(client: httpx.AsyncClient, url: str) -> None:
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            start = time.perf_counter()
+            if stream:
+                async with client.stream("POST", url, content=body) as response:
+                    await response.aread()
+            else:
+                response = await client.post(url, content=body)
+            latencies.append(time.perf_counter() - start)
+            if response.status_code != 200:
+                raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker(c, u) for c, u in zip(clients, urls, strict=True)))
+    return time.perf_counter() - began, latencies
+
+
+def chat_urls(target: str, base: str, workers: int) -> list[str]:
+    if target != "skycap":
+        return [f"{base}/v1/chat/completions"] * workers
+    urls = []
+    for _ in range(workers):
+        created = httpx.post(f"{base}/trajectories", json={"meta": {"bench": True}}).json()
+        urls.append(f"{created['base_url']}/chat/completions")
+    return urls
+
+
+def measure(
+    targets: dict[str, tuple[str, Child | None]],
+    stream: bool,
+    concurrency: int,
+    total: int,
+    rounds: int,
+) -> list[Cell]:
+    """Every target in turn, `rounds` times, so load that comes and goes hits them alike."""
+    body = orjson.dumps({"model": "policy", "messages": MESSAGES, "tools": TOOLS, "stream": stream})
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+
+    async def run() -> list[Cell]:
+        setups = {}
+        for name, (base, proxy) in targets.items():
+            urls = chat_urls(name, base, concurrency)
+            clients = [httpx.AsyncClient(limits=limits, timeout=60, headers=headers) for _ in urls]
+            await drive(clients, urls, body, stream, max(100, total // 5))  # warm-up
+            setups[name] = (urls, clients, proxy, Cell(name, stream, concurrency, 0, 0.0, [], 0.0))
+        for _ in range(rounds):
+            for urls, clients, proxy, cell in setups.values():
+                before = proxy.cpu_seconds() if proxy else 0.0
+                seconds, latencies = await drive(clients, urls, body, stream, total // rounds)
+                if proxy is None:
+                    cell.cpu = None
+                else:
+                    cell.cpu += proxy.cpu_seconds() - before
+                cell.seconds += seconds
+                cell.requests += len(latencies)
+                cell.latencies += latencies
+        for _, clients, _, _ in setups.values():
+            for client in clients:
+                await client.aclose()
+        return [cell for _, _, _, cell in setups.values()]
+
+    return asyncio.run(run())
+
+
+def report(cells: list[Cell]) -> None:
+    print(
+        f"{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'cpu ms/call':>13}"
+    )
+    for c in cells:
+        cpu = "-" if c.cpu_ms is None else f"{c.cpu_ms:.3f}"
+        print(
+            f"{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}{c.p50:>9.3f}"
+            f"{c.p99:>9.3f}{cpu:>13}"
+        )
+    print()
+    print(
+        f"{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
+        f"{'+p99 vs noop':>13}{'+cpu vs noop':>13}{'rate/noop':>10}{'rate/direct':>12}"
+    )
+    index = {(c.target, c.stream, c.concurrency): c for c in cells}
+    for c in cells:
+        if c.target != "skycap":
+            continue
+        noop = index[("noop", c.stream, c.concurrency)]
+        direct = index[("direct", c.stream, c.concurrency)]
+        cpu = c.cpu_ms - noop.cpu_ms if c.cpu_ms is not None and noop.cpu_ms is not None else 0
+        print(
+            f"{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
+            f"{c.p50 - direct.p50:>15.3f}{c.p99 - noop.p99:>13.3f}{cpu:>13.3f}"
+            f"{c.rate / noop.rate:>10.2f}{c.rate / direct.rate:>12.2f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1500, help="requests per cell")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
+    parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        if args.role[0] == "upstream":
+            role_upstream()
+        else:
+            role_proxy(args.role[0], args.role[1])
+        return
+    levels = [int(c) for c in args.concurrency.split(",")]
+    upstream = Child("upstream")
+    noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
+    targets = {
+        "direct": (upstream.url.removesuffix("/v1"), None),
+        "noop": (noop.url, noop),
+        "skycap": (skycap.url, skycap),
+    }
+    cells = []
+    try:
+        for stream in (False, True):
+            for concurrency in levels:
+                cells += measure(targets, stream, concurrency, args.requests, args.rounds)
+    finally:
+        for child in (noop, skycap, upstream):
+            child.stop()
+    report(cells)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""`skycap serve`: run a capture server in the foreground until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from skycap.server.options import add_arguments
+
+    add_arguments(parser)
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="log level (default warning; info adds one access line per harness call)",
+    )
+    parser.set_defaults(serve_parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from skycap.server.options import from_values
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    parser: argparse.ArgumentParser = args.serve_parser
+    try:
+        options = from_values(vars(args))
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    log = logging.getLogger("skycap.server")
+
+    def ready(url: str) -> None:
+        log.warning(
+            "skycap %s mode listening on %s (upstream %s)", options.mode, url, options.upstream_url
+        )
+        if options.binds_beyond_loopback:
+            log.warning(
+                "listening on %s: the control routes are unauthenticated and reachable from "
+                "other machines (D-6)",
+                options.host,
+            )
+
+    from skycap.server.addon import SkycapAddon
+    from skycap.server.runner import serve
+
+    try:
+        addon = SkycapAddon(options)  # token mode loads its tokenizer here
+    except Exception as exc:  # a bad tokenizer or engine setting: say so, no traceback
+        log.debug("start-up failed", exc_info=True)
+        print(f"skycap serve: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(options, ready=ready, stop_event=stop, addons=[addon])
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        print(f"skycap serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

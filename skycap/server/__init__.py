@@ -1,0 +1,1 @@
+"""The capture server: mitmproxy addon, control and harness routes, lifecycle and options."""

@@ -1,0 +1,71 @@
+"""Connection surgery on live mitmproxy flows: answer directly, drop, or abort the upstream.
+
+mitmproxy 12 offers no hook-level way to do three things text mode needs, so they live
+here, in one place, on top of the proxyserver's connection handlers:
+
+* answer a harness call with skycap's own OpenAI-shaped 502 when the upstream connection
+  fails or times out (mitmproxy would send its own HTML error page);
+* drop a harness connection (a sealed trajectory's call, http.md §6);
+* abort a hung upstream call (`--upstream-timeout`, D-11); killing a flow in transit is
+  not supported by mitmproxy (its issue 4711).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mitmproxy import http
+from mitmproxy.connection import ConnectionState
+from mitmproxy.net.http import http1
+
+
+class Connections:
+    """Reaches the connection handlers of the running proxyserver addon."""
+
+    def __init__(self) -> None:
+        self._proxyserver: Any = None
+
+    def attach(self, proxyserver: Any) -> None:
+        self._proxyserver = proxyserver
+
+    def _transport(self, flow: http.HTTPFlow, connection: Any) -> Any:
+        if self._proxyserver is None:
+            return None
+        handler = self._proxyserver.connections.get(flow.client_conn.id)
+        if handler is None:
+            return None
+        return handler.transports.get(connection)
+
+    def respond(self, flow: http.HTTPFlow, status: int, body: bytes) -> bool:
+        """Write a complete JSON response to an HTTP/1 harness that has seen no response yet.
+
+        Called from the `error` hook, before mitmproxy would send its own error page; the
+        client connection is then marked unwritable so that page is never sent, and it is
+        closed (`Connection: close`). Returns False when the response could not be written.
+        """
+        if flow.request.is_http2 or flow.request.is_http3:
+            return False
+        if not flow.client_conn.state & ConnectionState.CAN_WRITE:
+            return False
+        transport = self._transport(flow, flow.client_conn)
+        if transport is None or transport.writer is None or transport.writer.is_closing():
+            return False
+        response = http.Response.make(
+            status, body, {"content-type": "application/json", "connection": "close"}
+        )
+        transport.writer.write(http1.assemble_response(response))
+        flow.client_conn.state &= ~ConnectionState.CAN_WRITE
+        transport.handler.cancel("skycap answered")
+        return True
+
+    def drop(self, flow: http.HTTPFlow) -> None:
+        """Close the harness connection without a (further) response."""
+        transport = self._transport(flow, flow.client_conn)
+        if transport is not None and transport.handler is not None:
+            transport.handler.cancel("dropped by skycap")
+
+    def abort_upstream(self, flow: http.HTTPFlow) -> None:
+        """Close (or stop opening) the upstream connection; mitmproxy then fires `error`."""
+        transport = self._transport(flow, flow.server_conn)
+        if transport is not None and transport.handler is not None:
+            transport.handler.cancel("skycap upstream timeout")

@@ -1,0 +1,79 @@
+"""A loopback sink that reads and discards an oversize request body, then answers 413 (D-10).
+
+mitmproxy cannot answer a request before reading its body, and a client that is still
+sending would see a reset rather than the 413 if the connection were simply closed. So
+a request whose Content-Length is over `--max-body-size` is streamed (never buffered) to
+this sink, which drains it and answers with skycap's own error naming the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from skycap.wire import control_error, openai_error
+
+HARNESS_PATH = b"/harness"
+CONTROL_PATH = b"/control"
+_READ = 1 << 20
+
+
+def too_large_message(size: int | None, limit: int) -> str:
+    what = "the request body" if size is None else f"the request body of {size} bytes"
+    return (
+        f"{what} is over the limit of {limit} bytes; send a smaller body or start the server "
+        "with a larger --max-body-size"
+    )
+
+
+class DrainSink:
+    """Serves on 127.0.0.1 (a free port) on the current event loop until `close()`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(
+            OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError
+        ):
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                size = _content_length(head)
+                remaining = size
+                while remaining > 0:
+                    data = await reader.read(min(_READ, remaining))
+                    if not data:
+                        return
+                    remaining -= len(data)
+                message = too_large_message(size, self.limit)
+                if path == HARNESS_PATH:
+                    body = openai_error(413, message)
+                else:
+                    body = control_error(message)
+                writer.write(
+                    b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+            finally:
+                writer.close()
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0

@@ -1,0 +1,492 @@
+"""The one options object that builds a capture server, for `skycap serve`, mitmdump and embedders.
+
+D-20: `skycap serve`, the `mitmdump -s addons/skycap.py` script and the embedded
+`CaptureService` all build their server from `ServerOptions`, and both command-line
+surfaces are generated from the single `FLAGS` table below, so they cannot drift.
+
+| CLI flag (`skycap serve`) | keyword (`ServerOptions`, `CaptureService`) | mitmdump `--set` |
+|---|---|---|
+| `--mode {text,tokens}` | `mode` | `skycap_mode` |
+| `--upstream-url URL` | `upstream_url` | `skycap_upstream_url` |
+| `--upstream-api-key-env NAME` | `api_key` (read from NAME) | `skycap_upstream_api_key_env` |
+| `--host HOST` | `host` | mitmproxy's `--listen-host` |
+| `--port PORT` (default 8080) | `port` (default 0) | mitmproxy's `--listen-port` |
+| `--tokenizer NAME` | `tokenizer` | `skycap_tokenizer` |
+| `--renderer NAME` | `renderer_name` | `skycap_renderer` |
+| `--renderer-pool-size N` | `renderer_pool_size` | `skycap_renderer_pool_size` |
+| `--chat-template-kwargs JSON` | `chat_template_kwargs` | `skycap_chat_template_kwargs` |
+| `--model NAME` | `model` | `skycap_model` |
+| `--max-model-len N` | `max_model_len` | `skycap_max_model_len` |
+| `--sampling-overrides JSON` | `sampling_overrides` | `skycap_sampling_overrides` |
+| `--sampling-mask` | `sampling_mask` | `skycap_sampling_mask` |
+| `--logprobs-mode MODE` | `logprobs_mode` | `skycap_logprobs_mode` |
+| `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
+| `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
+| `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
+| `--ttl SECONDS` | `ttl` | `skycap_ttl` |
+| `--path-rule [NAME=]MODULE:FUNCTION` (repeat) | `path_rules` (name -> rule) | `skycap_path_rule` |
+| `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
+| `--max-body-size BYTES` | `max_body_size` (D-10) | `skycap_max_body_size` |
+| `--upstream-timeout SECONDS` | `upstream_timeout` (D-11) | `skycap_upstream_timeout` |
+| (none) | `renderer` (a ready renderer object) | (none) |
+| (none) | `engine` (the engine wire object) | (none) |
+| (none) | `keep_unrecorded` | (none) |
+| (none) | `advertise_host` | (none) |
+| (none) | `sweep_interval` (D-13) | (none) |
+
+The mirror, exposures, the harness listener and `processor_kwargs` are not built yet (D-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
+
+MODES = ("text", "tokens")
+DEFAULT_API_KEY_ENV = "SKYCAP_UPSTREAM_API_KEY"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Everything a capture server is built from; invalid combinations raise before any start.
+
+    `upstream_url` may be given positionally; every other option is keyword-only, and an
+    unknown keyword raises TypeError (python-api.md §2).
+    """
+
+    upstream_url: str | None = None
+    _: KW_ONLY
+    mode: str = "text"
+    api_key: str | None = None
+    tokenizer: str | None = None
+    renderer: Any = None
+    renderer_pool_size: int = 8
+    renderer_name: str | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    engine: Any = None
+    model: str | None = None
+    max_model_len: int | None = None
+    sampling_overrides: Mapping[str, Any] | None = None
+    sampling_mask: bool = False
+    logprobs_mode: str = "processed_logprobs"
+    use_raw_content: bool = False
+    record_dir: str | Path | None = None
+    record_host: str | None = None
+    ttl: float = 3600.0
+    path_rules: Mapping[str, PathRule | str] | None = None
+    keep_unrecorded: bool = True
+    require_api_key: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = "127.0.0.1"
+    max_body_size: int = GIB
+    upstream_timeout: float | None = None
+    sweep_interval: float = 60.0
+    rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_mode()
+        self._check_upstream()
+        self._check_numbers()
+        self._check_mappings()
+        if self.record_dir is not None:
+            object.__setattr__(self, "record_dir", _record_dir(self.record_dir))
+        if self.keep_unrecorded is False and self.record_dir is not None:
+            raise ValueError(
+                f"{_name('keep_unrecorded')}=False is for a server with no record_dir; "
+                f"drop it or drop {_name('record_dir')}"
+            )
+        object.__setattr__(self, "rules", build_rules(self.path_rules))
+
+    def _check_mode(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(
+                f"{_name('mode')} must be one of {', '.join(MODES)}, got {self.mode!r}"
+            )
+        if isinstance(self.renderer, str):
+            raise ValueError(
+                f"renderer= takes a ready renderer object, got the string {self.renderer!r}; "
+                f"pass a renderer name as {_name('renderer_name')}"
+            )
+        if self.mode != "tokens":
+            return
+        if (self.tokenizer is None) == (self.renderer is None):
+            raise ValueError(
+                f"token mode needs exactly one of {_name('tokenizer')} or renderer=, got "
+                + ("both" if self.tokenizer is not None else "neither")
+            )
+        if self.renderer is not None:
+            for key in ("renderer_name", "chat_template_kwargs"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"{_name(key)} configures the default renderer; it cannot be used "
+                        "together with a ready renderer="
+                    )
+
+    def _check_upstream(self) -> None:
+        if not self.upstream_url:
+            raise ValueError(
+                f"{_name('upstream_url')} is required: the model server's OpenAI base URL "
+                "including /v1 (text mode) or the engine root (token mode)"
+            )
+        parts = urlsplit(self.upstream_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"{_name('upstream_url')} must be an http:// or https:// URL with a host, "
+                f"got {self.upstream_url!r}"
+            )
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ValueError(f"{_name('upstream_url')} {self.upstream_url!r}: {exc}") from None
+
+    def _check_numbers(self) -> None:
+        _positive(self.ttl, "ttl")
+        _positive(self.sweep_interval, "sweep_interval")
+        if self.upstream_timeout is not None:
+            _positive(self.upstream_timeout, "upstream_timeout")
+        _integer(self.max_body_size, "max_body_size", low=1)
+        _integer(self.renderer_pool_size, "renderer_pool_size", low=1)
+        _integer(self.port, "port", low=0, high=65535)
+        if self.max_model_len is not None:
+            _integer(self.max_model_len, "max_model_len", low=1)
+
+    def _check_mappings(self) -> None:
+        for key in ("chat_template_kwargs", "sampling_overrides", "path_rules"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"{_name(key)} must be a mapping, got {type(value).__name__}")
+
+    @property
+    def upstream_origin(self) -> tuple[str, str, int]:
+        """(scheme, host, port) of `upstream_url`, where harness calls are re-targeted (D-8)."""
+        parts = urlsplit(self.upstream_url)
+        assert parts.hostname is not None
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return parts.scheme, parts.hostname, port
+
+    @property
+    def upstream_path(self) -> str:
+        """The path of `upstream_url` without a trailing slash (text mode: ends in /v1)."""
+        return urlsplit(self.upstream_url).path.rstrip("/")
+
+    @property
+    def binds_beyond_loopback(self) -> bool:
+        """Whether `host` is reachable from other machines (D-6 logs this as a warning)."""
+        if self.host in ("localhost",):
+            return False
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return True
+
+
+def _record_dir(value: str | Path) -> Path:
+    """Absolute and created if missing, so a bad directory fails before the server starts."""
+    path = Path(value).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"{_name('record_dir')} {str(path)!r} cannot be created: {exc.strerror or exc}"
+        ) from None
+    return path
+
+
+def _name(keyword: str) -> str:
+    """A keyword with its CLI flag, so one message serves embedders and `skycap serve` users."""
+    flag = _FLAG_OF.get(keyword)
+    return f"{keyword} ({flag})" if flag else keyword
+
+
+def _positive(value: Any, keyword: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{_name(keyword)} must be a positive number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{_name(keyword)} must be finite, got {value!r}")
+
+
+def _integer(value: Any, keyword: str, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{_name(keyword)} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{_name(keyword)} must be {bound}, got {value}")
+
+
+# -- the command-line surfaces ---------------------------------------------------------------
+
+
+def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
+    def convert(text: str) -> dict[str, Any]:
+        try:
+            value = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"{flag} must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{flag} must be a JSON object, got {text!r:.60}")
+        return value
+
+    return convert
+
+
+def _number(kind: type, flag: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            noun = "an integer" if kind is int else "a number"
+            raise ValueError(f"{flag} must be {noun}, got {text!r}") from None
+
+    return convert
+
+
+def _api_key_from_env(name: str) -> str | None:
+    """`--upstream-api-key-env NAME` names a variable; the key itself never sits in argv."""
+    return os.environ.get(name) or None
+
+
+def _path_rules(specs: list[str]) -> dict[str, str]:
+    rules: dict[str, str] = {}
+    for spec in specs:
+        name, target = parse_rule_option(spec)
+        if name in rules:
+            raise ValueError(f"--path-rule {name!r} is given twice; give each rule a distinct name")
+        if name in BUILTIN_RULES:
+            raise ValueError(f"--path-rule name {name!r} is built in; choose another name")
+        rules[name] = target
+    return rules
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `skycap serve` flag, the keyword it sets and (with `addon`) its mitmdump option."""
+
+    flag: str
+    keyword: str
+    help: str
+    convert: Callable[[Any], Any] | None = str
+    default: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    repeat: bool = False
+    addon: bool = True
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def switch(self) -> bool:
+        return self.convert is None and not self.repeat
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--mode", "mode", "capture mode", default="text", choices=MODES),
+    Flag(
+        "--upstream-url",
+        "upstream_url",
+        "text mode: the model server's OpenAI base URL including /v1; token mode: the "
+        "engine root (required)",
+        metavar="URL",
+    ),
+    Flag(
+        "--upstream-api-key-env",
+        "api_key",
+        "environment variable holding the key sent upstream as a Bearer token "
+        f"(default {DEFAULT_API_KEY_ENV})",
+        convert=_api_key_from_env,
+        default=DEFAULT_API_KEY_ENV,
+        metavar="NAME",
+    ),
+    Flag(
+        "--host",
+        "host",
+        "bind address (default 127.0.0.1; binding wider exposes the unauthenticated control "
+        "routes)",
+        default="127.0.0.1",
+        addon=False,
+    ),
+    Flag(
+        "--port",
+        "port",
+        "bind port (default 8080; 0 lets the OS choose)",
+        convert=_number(int, "--port"),
+        default="8080",
+        addon=False,
+    ),
+    Flag("--tokenizer", "tokenizer", "token mode: tokenizer name or folder", metavar="NAME"),
+    Flag("--renderer", "renderer_name", "token mode: renderer name", metavar="NAME"),
+    Flag(
+        "--renderer-pool-size",
+        "renderer_pool_size",
+        "token mode: renderer slots (default 8)",
+        convert=_number(int, "--renderer-pool-size"),
+        metavar="N",
+    ),
+    Flag(
+        "--chat-template-kwargs",
+        "chat_template_kwargs",
+        "token mode: JSON object passed to the chat template",
+        convert=_json_object("--chat-template-kwargs"),
+        metavar="JSON",
+    ),
+    Flag("--model", "model", "model name sent to the engine and listed on /models"),
+    Flag(
+        "--max-model-len",
+        "max_model_len",
+        "token mode: context length used to clamp max_tokens and refuse long prompts",
+        convert=_number(int, "--max-model-len"),
+        metavar="N",
+    ),
+    Flag(
+        "--sampling-overrides",
+        "sampling_overrides",
+        "token mode: JSON object of sampling parameters imposed on every call",
+        convert=_json_object("--sampling-overrides"),
+        metavar="JSON",
+    ),
+    Flag("--sampling-mask", "sampling_mask", "token mode: ask for sampling masks", convert=None),
+    Flag(
+        "--logprobs-mode",
+        "logprobs_mode",
+        "token mode: recorded in capture only (default processed_logprobs)",
+        metavar="MODE",
+    ),
+    Flag(
+        "--use-raw-content",
+        "use_raw_content",
+        "token mode: reply with the completion's raw decoded text",
+        convert=None,
+    ),
+    Flag(
+        "--record-dir",
+        "record_dir",
+        "record directory; without it trajectories stay in memory and never expire",
+        metavar="DIR",
+    ),
+    Flag(
+        "--record-host",
+        "record_host",
+        "record.host in finish replies (default: this machine's primary address)",
+        metavar="ADDRESS",
+    ),
+    Flag(
+        "--ttl",
+        "ttl",
+        "idle seconds before an unfinished trajectory is abandoned (default 3600)",
+        convert=_number(float, "--ttl"),
+        metavar="SECONDS",
+    ),
+    Flag(
+        "--path-rule",
+        "path_rules",
+        "custom path rule, repeatable; without NAME= it is named by its import path",
+        convert=_path_rules,
+        metavar="[NAME=]MODULE:FUNCTION",
+        repeat=True,
+    ),
+    Flag(
+        "--require-api-key",
+        "require_api_key",
+        "require each trajectory's api_key on the harness routes",
+        convert=None,
+    ),
+    Flag(
+        "--max-body-size",
+        "max_body_size",
+        "largest accepted request body in bytes (default 1 GiB); larger bodies get 413",
+        convert=_number(int, "--max-body-size"),
+        metavar="BYTES",
+    ),
+    Flag(
+        "--upstream-timeout",
+        "upstream_timeout",
+        "seconds an upstream call may go without progress before it fails with 502 "
+        "(default: no limit)",
+        convert=_number(float, "--upstream-timeout"),
+        metavar="SECONDS",
+    ),
+)
+
+_FLAG_OF = {f.keyword: f.flag for f in FLAGS}
+ADDON_PREFIX = "skycap_"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every serve flag of `FLAGS` to `parser` (values stay text until `from_values`)."""
+    for flag in FLAGS:
+        if flag.switch:
+            parser.add_argument(flag.flag, dest=flag.dest, action="store_true", help=flag.help)
+        elif flag.repeat:
+            parser.add_argument(
+                flag.flag, dest=flag.dest, action="append", metavar=flag.metavar, help=flag.help
+            )
+        else:
+            parser.add_argument(
+                flag.flag,
+                dest=flag.dest,
+                default=flag.default,
+                metavar=flag.metavar,
+                choices=flag.choices,
+                help=flag.help,
+            )
+
+
+def from_values(values: Mapping[str, Any], **extra: Any) -> ServerOptions:
+    """Build options from raw flag values keyed by `Flag.dest` (argparse or mitmproxy options).
+
+    Absent values (None, False, an empty list) keep the ServerOptions default. Raises
+    ValueError with a message naming the flag or keyword at fault.
+    """
+    kwargs: dict[str, Any] = {}
+    for flag in FLAGS:
+        if flag.dest not in values:
+            continue
+        raw = values[flag.dest]
+        if raw is None or raw is False or raw == [] or raw == ():
+            continue
+        if flag.switch:
+            kwargs[flag.keyword] = True
+        elif flag.repeat:
+            kwargs[flag.keyword] = flag.convert(list(raw))
+        else:
+            kwargs[flag.keyword] = flag.convert(raw)
+    if values.get("mode") == "tokens" and not values.get("tokenizer"):
+        raise ValueError("--mode tokens needs --tokenizer")
+    return ServerOptions(**kwargs, **extra)
+
+
+def add_addon_options(loader: Any) -> None:
+    """Register `skycap_<flag>` mitmproxy options for the flags that apply under mitmdump."""
+    from collections.abc import Sequence
+    from typing import Optional
+
+    for flag in FLAGS:
+        if not flag.addon:
+            continue
+        name = ADDON_PREFIX + flag.dest
+        if flag.switch:
+            loader.add_option(name, bool, False, flag.help)
+        elif flag.repeat:
+            loader.add_option(name, Sequence[str], [], flag.help)
+        else:
+            loader.add_option(name, Optional[str], flag.default, flag.help)  # noqa: UP045
+
+
+def from_addon_options(opts: Any) -> ServerOptions:
+    """Build options from a mitmproxy options object carrying the `skycap_*` options."""
+    values = {flag.dest: getattr(opts, ADDON_PREFIX + flag.dest) for flag in FLAGS if flag.addon}
+    return from_values(values)

@@ -1,0 +1,489 @@
+"""The trajectory store: live trajectories, finish (http.md §2.3), TTL sweep, shutdown writes.
+
+Everything here runs on the server's event loop; record writes and reads go to worker
+threads (`asyncio.to_thread`) so a large record never stalls other trajectories' calls.
+A per-trajectory lock serialises finish, the TTL sweep and shutdown writes (D-13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from skycap.record.layout import KINDS, document_name, sidecar_name
+from skycap.record.reader import RecordError, document_path, load_trajectory, read_document
+from skycap.record.writer import write_record
+from skycap.samples import (
+    ALL,
+    BUILTIN_RULES,
+    PathRuleFailed,
+    build_samples,
+    encode_sample,
+    rows_for_finish,
+    rows_from_samples_field,
+    samples_field,
+)
+from skycap.server.keys import new_api_key
+from skycap.server.options import ServerOptions
+from skycap.server.retry import RetryCache
+from skycap.trajectory import (
+    ABANDONED,
+    FINISHED,
+    OPEN,
+    AnnotationConflict,
+    Trajectory,
+    is_trajectory_id,
+    new_trajectory_id,
+)
+
+logger = logging.getLogger("skycap.server")
+
+UNKNOWN = "unknown trajectory"
+Release = Callable[[str], Awaitable[None]]
+DecodeSpans = Callable[..., Any]
+
+
+class Live:
+    """A trajectory in memory with what only the server needs: key, lock, calls in flight."""
+
+    __slots__ = (
+        "trajectory",
+        "api_key",
+        "lock",
+        "retries",
+        "inflight",
+        "last_activity",
+        "last_call",
+        "calls",
+        "unwritten",
+        "__weakref__",
+    )
+
+    def __init__(self, trajectory: Trajectory, api_key: str, lock: asyncio.Lock) -> None:
+        self.trajectory = trajectory
+        self.api_key = api_key.encode("ascii")
+        self.lock = lock
+        self.retries = RetryCache()
+        # call token -> how to cancel it (drop its connection or cancel its task), http.md §6
+        self.inflight: dict[object, Callable[[], None]] = {}
+        self.last_activity = time.time()
+        self.last_call: dict[str, Any] | None = None
+        self.calls = sum(len(node.calls) for node in trajectory.graph)
+        self.unwritten = False
+
+    @property
+    def id(self) -> str:
+        return self.trajectory.id
+
+    def touch(self) -> None:
+        self.last_activity = time.time()
+
+    def cancel_inflight(self, keep: object = None) -> None:
+        """Cancel every call in flight except `keep` (sealing, http.md §6)."""
+        for token, cancel in list(self.inflight.items()):
+            if token is not keep:
+                self.inflight.pop(token, None)
+                cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A control-route answer: status and JSON body bytes."""
+
+    status: int
+    body: bytes
+
+    @classmethod
+    def json(cls, status: int, value: Any) -> Answer:
+        return cls(status, orjson.dumps(value))
+
+    @classmethod
+    def error(cls, status: int, message: str, code: str | None = None) -> Answer:
+        value = {"error": message} if code is None else {"error": message, "code": code}
+        return cls.json(status, value)
+
+
+class TrajectoryStore:
+    """Creates, finds, finishes and writes trajectories; counts calls for /healthz (D-7)."""
+
+    def __init__(
+        self,
+        options: ServerOptions,
+        capture: dict[str, Any],
+        *,
+        release: Release | None = None,
+        decode_spans: DecodeSpans | None = None,
+    ) -> None:
+        self.options = options
+        self.capture = capture
+        self.record_dir: Path | None = options.record_dir  # type: ignore[assignment]
+        self._release = release
+        self._decode_spans = decode_spans
+        self._live: dict[str, Live] = {}
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._record_host: str | None = None
+        self.calls_total = 0
+        self.tokens_total = 0
+        self.failures_total = 0
+
+    # -- lookup and creation -----------------------------------------------------------------
+
+    def create(self, meta: dict[str, Any]) -> Live:
+        trajectory_id = new_trajectory_id()
+        trajectory = Trajectory(trajectory_id, capture=self.capture, meta=meta)
+        live = Live(trajectory, new_api_key(), self._lock_for(trajectory_id))
+        self._live[trajectory_id] = live
+        return live
+
+    def get(self, trajectory_id: str) -> Live | None:
+        return self._live.get(trajectory_id)
+
+    def on_disk(self, trajectory_id: str) -> bool:
+        """Whether an ended record exists; ids outside the id alphabet never touch the disk."""
+        if self.record_dir is None or not is_trajectory_id(trajectory_id):
+            return False
+        return document_path(self.record_dir, trajectory_id).is_file()
+
+    def _lock_for(self, trajectory_id: str) -> asyncio.Lock:
+        lock = self._locks.get(trajectory_id)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[trajectory_id] = lock
+        return lock
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def note_commit(self, live: Live, call: dict[str, Any]) -> None:
+        """Count a committed call for /healthz and remember it for `GET /trajectories`."""
+        live.calls += 1
+        self.calls_total += 1
+        usage = call.get("usage")
+        if isinstance(usage, dict):
+            for key in ("prompt_tokens", "completion_tokens"):
+                value = usage.get(key)
+                if type(value) is int:
+                    self.tokens_total += value
+        live.last_call = {
+            "latency_ms": round((call["t_end"] - call["t_start"]) * 1000.0, 3),
+            "finish_reason": call.get("finish_reason"),
+        }
+
+    def note_failure(self, live: Live, status: int | None, error: str) -> None:
+        """Append a failure while the trajectory is open (a sealed one records none)."""
+        if live.trajectory.is_open:
+            live.trajectory.add_failure(status, error)
+            self.failures_total += 1
+
+    # -- finish (http.md §2.3, D-13) -------------------------------------------------------------
+
+    def known_rule(self, name: str) -> bool:
+        return name in BUILTIN_RULES or name in self.options.rules
+
+    def rule_names(self) -> list[str]:
+        return [*BUILTIN_RULES, *self.options.rules]
+
+    async def finish(
+        self, trajectory_id: str, annotations: dict[str, Any], paths: str | None
+    ) -> Answer:
+        """Steps 1-6 of http.md §2.3; `paths` is None when the request gave none (D-13)."""
+        if not is_trajectory_id(trajectory_id):
+            return Answer.error(404, UNKNOWN)
+        async with self._lock_for(trajectory_id):
+            live = self._live.get(trajectory_id)
+            if live is not None:
+                trajectory = live.trajectory
+            else:
+                loaded = await self._load(trajectory_id)
+                if isinstance(loaded, Answer):
+                    return loaded
+                trajectory = loaded
+            return await self._finish_locked(trajectory, live, annotations, paths)
+
+    async def _finish_locked(
+        self,
+        trajectory: Trajectory,
+        live: Live | None,
+        annotations: dict[str, Any],
+        paths: str | None,
+    ) -> Answer:
+        recorded = trajectory.samples
+        if recorded is not None and paths is not None and paths != recorded.get("paths"):
+            return Answer.error(
+                409, f"trajectory already finished with paths='{recorded.get('paths')}'"
+            )
+        before = dict(trajectory.annotations)
+        if trajectory.is_open:
+            self._seal(trajectory, live, FINISHED)
+        try:
+            trajectory.merge_annotations(annotations)
+        except AnnotationConflict as exc:
+            return Answer.error(409, str(exc))
+        rows, failure, sampled_now = self._rows(trajectory, paths)
+        ended_now = not trajectory.ended
+        if ended_now:
+            trajectory.ended = True
+            await self._release_engine(trajectory.id)
+        changed = ended_now or sampled_now or trajectory.annotations != before
+        record = await self._settle(trajectory, live, changed, keep=failure is not None)
+        if failure is not None:
+            return Answer.error(500, str(failure), "path_rule_failed")
+        return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+
+    def _rows(
+        self, trajectory: Trajectory, paths: str | None
+    ) -> tuple[list, Exception | None, bool]:
+        """(rows, rule failure, whether rows were recorded now) for step 3."""
+        recorded = trajectory.samples
+        if recorded is not None:
+            return rows_from_samples_field(trajectory.graph, recorded), None, False
+        name = paths or ALL
+        try:
+            rows = rows_for_finish(trajectory.graph, name, self.options.rules)
+        except PathRuleFailed as exc:
+            logger.warning("finish %s: %s", trajectory.id, exc)
+            return [], exc, False
+        trajectory.samples = samples_field(name, rows)
+        return rows, None, True
+
+    async def _settle(
+        self, trajectory: Trajectory, live: Live | None, changed: bool, *, keep: bool
+    ) -> dict[str, Any] | None:
+        """Step 5: write what changed, then drop it from memory; return the `record` object."""
+        if self.record_dir is None:
+            if live is not None and not self.options.keep_unrecorded and not keep:
+                self._live.pop(trajectory.id, None)
+            return None
+        if not changed and not (live is not None and live.unwritten):
+            return self._location(trajectory.id) if live is None else None
+        files = await self._write(trajectory)
+        if files is None:
+            if live is None:
+                live = self._adopt(trajectory)
+            live.unwritten = True
+            return None
+        self._live.pop(trajectory.id, None)
+        return self._location(trajectory.id, files)
+
+    def _adopt(self, trajectory: Trajectory) -> Live:
+        """Keep a trajectory read from disk in memory after its rewrite failed (§2.3 step 5)."""
+        live = Live(trajectory, new_api_key(), self._lock_for(trajectory.id))
+        self._live[trajectory.id] = live
+        return live
+
+    def _seal(self, trajectory: Trajectory, live: Live | None, status: str) -> None:
+        trajectory.seal(status)
+        if live is not None:
+            live.cancel_inflight()
+
+    async def _release_engine(self, trajectory_id: str) -> None:
+        if self._release is None:
+            return
+        try:
+            await self._release(trajectory_id)
+        except Exception as exc:  # best effort (http.md §11): a release never fails a finish
+            logger.warning("releasing engine state of %s failed: %s", trajectory_id, exc)
+
+    # -- records -------------------------------------------------------------------------------
+
+    async def _write(self, trajectory: Trajectory) -> list[str] | None:
+        """Write off the event loop; None (logged) when the write failed."""
+        assert self.record_dir is not None
+        try:
+            return await asyncio.to_thread(
+                write_record, trajectory, self.record_dir, decode_spans=self._decode_spans
+            )
+        except Exception as exc:  # a failed write keeps the trajectory in memory for a retry
+            logger.warning(
+                "writing the record of %s into %s failed: %s: %s",
+                trajectory.id,
+                self.record_dir,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+    async def _load(self, trajectory_id: str) -> Trajectory | Answer:
+        if not self.on_disk(trajectory_id):
+            return Answer.error(404, UNKNOWN)
+        assert self.record_dir is not None
+        try:
+            return await asyncio.to_thread(load_trajectory, self.record_dir, trajectory_id)
+        except (RecordError, OSError) as exc:
+            logger.warning("reading the record of %s failed: %s", trajectory_id, exc)
+            return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
+
+    def _location(self, trajectory_id: str, files: list[str] | None = None) -> dict[str, Any]:
+        assert self.record_dir is not None
+        if files is None:
+            names = [sidecar_name(trajectory_id, kind) for kind in KINDS]
+            files = [n for n in names if (self.record_dir / n).is_file()]
+            files.append(document_name(trajectory_id))
+        return {
+            "host": self.record_host(),
+            "path": str(self.record_dir / document_name(trajectory_id)),
+            "mirror": None,
+            "files": files,
+        }
+
+    def record_host(self) -> str:
+        """`--record-host`, else a non-loopback advertise host, else the primary address."""
+        if self._record_host is None:
+            configured = self.options.record_host
+            advertised = self.options.advertise_host
+            if configured:
+                self._record_host = configured
+            elif advertised not in ("127.0.0.1", "::1", "localhost"):
+                self._record_host = advertised
+            else:
+                self._record_host = primary_address()
+        return self._record_host
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def document(self, trajectory_id: str) -> Answer:
+        """`GET /trajectories/{id}`: the live document, else the stored one as written."""
+        live = self._live.get(trajectory_id)
+        if live is not None:
+            return Answer.json(200, live.trajectory.document(live=True))
+        if not self.on_disk(trajectory_id):
+            return Answer.error(404, UNKNOWN)
+        assert self.record_dir is not None
+        path = document_path(self.record_dir, trajectory_id)
+        try:
+            return Answer(200, await asyncio.to_thread(_stored_document, path))
+        except (RecordError, OSError) as exc:
+            return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
+
+    def listing(self) -> list[dict[str, Any]]:
+        """The live trajectories, newest first, with the fields of D-7."""
+        now = time.time()
+        rows = []
+        for live in sorted(
+            self._live.values(), key=lambda x: x.trajectory.created_at, reverse=True
+        ):
+            trajectory = live.trajectory
+            graph = trajectory.graph
+            rows.append(
+                {
+                    "id": trajectory.id,
+                    "status": trajectory.status,
+                    "meta": trajectory.meta,
+                    "created_at": trajectory.created_at,
+                    "age_s": round(now - trajectory.created_at, 3),
+                    "calls": live.calls,
+                    "nodes": len(graph),
+                    "paths": sum(1 for node in graph if not node.children),
+                    "unbridged_calls": trajectory.unbridged_calls(),
+                    "failures": len(trajectory.failures),
+                    "last_activity": live.last_activity,
+                    "last_call": live.last_call,
+                }
+            )
+        return rows
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "open_trajectories": sum(1 for x in self._live.values() if x.trajectory.status == OPEN),
+            "capture": self.capture,
+            "calls_total": self.calls_total,
+            "tokens_total": self.tokens_total,
+            "failures_total": self.failures_total,
+        }
+
+    # -- TTL and shutdown (http.md §6) -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the idle sweep (only with a record directory: nothing expires without one)."""
+        if self.record_dir is not None and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:  # the sweep must outlive one bad trajectory
+                logger.exception("the TTL sweep failed")
+
+    async def sweep(self) -> None:
+        """End, as abandoned, each idle trajectory that is not ended and has no call in flight."""
+        cutoff = time.time() - self.options.ttl
+        for live in list(self._live.values()):
+            if self._expired(live, cutoff):
+                async with live.lock:
+                    if self._expired(live, cutoff) and self._live.get(live.id) is live:
+                        await self._abandon(live)
+
+    @staticmethod
+    def _expired(live: Live, cutoff: float) -> bool:
+        return not live.trajectory.ended and not live.inflight and live.last_activity < cutoff
+
+    async def _abandon(self, live: Live) -> None:
+        trajectory = live.trajectory
+        trajectory.seal(ABANDONED)
+        trajectory.ended = True
+        await self._release_engine(trajectory.id)
+        if await self._write(trajectory) is None:
+            live.unwritten = True
+        else:
+            self._live.pop(trajectory.id, None)
+        logger.info("trajectory %s ended by the idle TTL as %s", trajectory.id, trajectory.status)
+
+    async def shutdown(self) -> None:
+        """Stop the sweep, then write every trajectory still in memory as it stands."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        await asyncio.gather(*(self._shutdown_one(live) for live in list(self._live.values())))
+
+    async def _shutdown_one(self, live: Live) -> None:
+        async with live.lock:
+            live.cancel_inflight()
+            if not live.trajectory.ended:
+                await self._release_engine(live.id)
+            if self.record_dir is not None and await self._write(live.trajectory) is not None:
+                self._live.pop(live.id, None)
+
+
+def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | None) -> bytes:
+    """The 200 finish body; samples are built here, in a worker thread (arrays can be large)."""
+    samples = [encode_sample(sample) for sample in build_samples(trajectory.graph, rows)]
+    return orjson.dumps(
+        {
+            "id": trajectory.id,
+            "status": trajectory.status,
+            "samples": samples,
+            "unbridged_calls": trajectory.unbridged_calls(),
+            "record": record,
+        }
+    )
+
+
+def _stored_document(path: Path) -> bytes:
+    return orjson.dumps(read_document(path))
+
+
+def primary_address() -> str:
+    """The local address a UDP socket toward a public resolver would use (nothing is sent)."""
+    for family, target in ((socket.AF_INET, "8.8.8.8"), (socket.AF_INET6, "2001:4860:4860::8888")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 53))
+                return probe.getsockname()[0]
+        except OSError:
+            continue
+    return socket.gethostname()

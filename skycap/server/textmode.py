@@ -1,0 +1,306 @@
+"""Text mode (http.md §7): forward harness calls through mitmproxy itself and tap the replies.
+
+A chat call is re-targeted to the upstream in the `request` hook with the raw body
+unchanged. A non-streamed reply is committed in the `response` hook, before mitmproxy
+sends it on. A streamed reply is relayed chunk by chunk through a `flow.response.stream`
+callable that feeds the SSE assembler and holds chunks back from the first one carrying a
+`finish_reason`; at `[DONE]` or the end of the body it commits, then releases them, so a
+`finish` sent after the stream always finds the reply. Upstream failures are recorded on
+the trajectory; a broken stream leaves the harness with a failed, not a short, stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from mitmproxy import http
+
+from skycap.server.conns import Connections
+from skycap.server.options import ServerOptions
+from skycap.server.retry import Entry, Replay
+from skycap.server.store import Live, TrajectoryStore
+from skycap.text.commit import commit_text_call
+from skycap.text.stream import StreamAssembler, StreamError
+from skycap.wire import openai_error, recorded_sampling
+
+logger = logging.getLogger("skycap.server")
+
+# http.md §7.1: headers the harness sent that never reach the model server as they were.
+_DROPPED = frozenset(
+    {b"authorization", b"host", b"content-length", b"transfer-encoding", b"connection"}
+)
+_EVENT_STREAM = "text/event-stream"
+
+
+class TextMode:
+    """Where text-mode calls go and how they are forwarded (one per server)."""
+
+    def __init__(self, options: ServerOptions, store: TrajectoryStore, conns: Connections) -> None:
+        self.store = store
+        self.conns = conns
+        scheme, host, port = options.upstream_origin
+        self._scheme = scheme.encode("ascii")
+        self._host = host
+        self._port = port
+        default_port = 443 if scheme == "https" else 80
+        authority = host if ":" not in host else f"[{host}]"
+        self._host_header = (authority if port == default_port else f"{authority}:{port}").encode()
+        self._base = options.upstream_path.encode()
+        self._added: tuple[tuple[bytes, bytes], ...] = ((b"host", self._host_header),)
+        if options.api_key:
+            self._added += ((b"authorization", b"Bearer " + options.api_key.encode()),)
+        self.timeout = options.upstream_timeout
+
+    def retarget(self, flow: http.HTTPFlow, suffix: bytes) -> None:
+        """Point the flow at `{upstream base}{suffix}` with the header rules of http.md §7.1."""
+        request = flow.request
+        data = request.data
+        data.scheme = self._scheme
+        data.host = self._host
+        data.port = self._port
+        data.path = self._base + suffix
+        kept = tuple(f for f in data.headers.fields if f[0].lower() not in _DROPPED)
+        body = data.content
+        length = ((b"content-length", b"%d" % len(body)),) if body else ()
+        data.headers.fields = kept + self._added + length
+
+    def start_chat(
+        self, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
+    ) -> TextCall:
+        call = TextCall(self, flow, live, body, entry)
+        self.retarget(flow, b"/chat/completions")
+        return call
+
+
+class TextCall:
+    """One forwarded chat call: its timing, its stream tap and its outcome (exactly once)."""
+
+    __slots__ = (
+        "mode",
+        "flow",
+        "live",
+        "body",
+        "entry",
+        "t_start",
+        "assembler",
+        "held",
+        "over",
+        "relaying",
+        "deadline",
+        "loop",
+        "timer",
+        "timed_out",
+        "cancelled",
+    )
+
+    def __init__(
+        self, mode: TextMode, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
+    ) -> None:
+        self.mode = mode
+        self.flow = flow
+        self.live = live
+        self.body = body
+        self.entry = entry
+        self.t_start = time.time()
+        self.assembler: StreamAssembler | None = None
+        self.held: list[bytes] = []
+        self.over = False
+        self.relaying = False
+        self.timed_out = False
+        self.cancelled = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0
+        self.loop = asyncio.get_running_loop()
+        live.inflight[self] = self.cancel
+        live.touch()
+        if mode.timeout is not None:
+            self.deadline = self.loop.time() + mode.timeout
+            self.timer = self.loop.call_at(self.deadline, self._check_timeout)
+
+    # -- timeout (D-11: time without progress) ---------------------------------------------
+
+    def _progress(self) -> None:
+        if self.timer is not None:
+            self.deadline = self.loop.time() + self.mode.timeout
+
+    def _check_timeout(self) -> None:
+        """Fires at the first deadline; re-arms while chunks keep moving it (one timer per call)."""
+        if self.over:
+            return
+        if self.loop.time() < self.deadline:
+            self.timer = self.loop.call_at(self.deadline, self._check_timeout)
+            return
+        self.timed_out = True
+        self.mode.conns.abort_upstream(self.flow)
+
+    # -- outcome -----------------------------------------------------------------------------
+
+    def _end(self, replay: Replay | None = None) -> None:
+        """Settle the retry entry and leave the in-flight set; every path ends here once."""
+        self.over = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.entry.settle(replay)
+        self.live.inflight.pop(self, None)
+        self.live.touch()
+
+    def cancel(self) -> None:
+        """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
+        self.cancelled = True
+        self._end()
+        self.mode.conns.drop(self.flow)
+
+    def _fail(self, status: int | None, error: str) -> None:
+        self.mode.store.note_failure(self.live, status, error)
+
+    def _commit(self, reply: dict[str, Any], finish_reason: Any, usage: Any) -> bool:
+        call = {
+            "t_start": self.t_start,
+            "t_end": time.time(),
+            "model": self.body.get("model"),
+            "sampling": recorded_sampling(self.body),
+            "usage": usage if isinstance(usage, dict) else None,
+            "finish_reason": finish_reason if isinstance(finish_reason, str) else None,
+        }
+        try:
+            node = commit_text_call(self.live.trajectory, self.body, reply, call)
+        except Exception as exc:  # a reply that cannot be hashed is a failure, not a crash
+            logger.warning("committing a reply of %s failed: %r", self.live.id, exc)
+            self._fail(None, f"unreadable reply: {type(exc).__name__}: {exc}")
+            return False
+        if node is None:
+            return False
+        self.mode.store.note_commit(self.live, call)
+        return True
+
+    # -- non-streamed replies (http.md §7.2) ---------------------------------------------------
+
+    def on_response(self, response: http.Response) -> None:
+        """The whole reply is here and not yet sent on: commit it or record why not."""
+        if self.over or self.relaying:
+            return
+        status = response.status_code
+        if status != 200:
+            self._fail(status, _text(response))
+            self._end()
+            return
+        problem, parsed = _read_reply(response)
+        if problem is not None:
+            self._fail(None, f"unreadable reply: {problem}")
+            self._end()
+            return
+        choice = parsed["choices"][0]
+        committed = self._commit(
+            choice["message"], choice.get("finish_reason"), parsed.get("usage")
+        )
+        replay = None
+        if committed:
+            replay = Replay.of(status, response.headers.fields, response.raw_content or b"")
+        self._end(replay)
+
+    # -- streamed replies (http.md §7.3) --------------------------------------------------------
+
+    def on_response_headers(self, response: http.Response) -> None:
+        self._progress()
+        if (
+            self.body.get("stream") is True
+            and response.status_code == 200
+            and response.headers.get("content-type", "").startswith(_EVENT_STREAM)
+        ):
+            self.assembler = StreamAssembler()
+            self.relaying = True
+            if response.headers.get("cache-control") != "no-cache":
+                response.headers["cache-control"] = "no-cache"
+            response.stream = self.relay
+
+    def relay(self, chunk: bytes) -> bytes | Iterable[bytes]:
+        """mitmproxy's stream callable: pass chunks on, hold back the tail, commit, release.
+
+        "Nothing to send" is `[]`, never `b""`: mitmproxy would write an empty chunk, which
+        in chunked encoding is the terminator.
+        """
+        if self.over:
+            return []
+        assembler = self.assembler
+        assert assembler is not None
+        if chunk:
+            self._progress()
+            assembler.feed(chunk)
+            if not assembler.finish_seen:
+                return chunk
+            self.held.append(chunk)
+            if not assembler.done:
+                return []
+        return self._complete()
+
+    def _complete(self) -> list[bytes]:
+        """[DONE] or the end of the body: commit (or record why not), then release the tail."""
+        assert self.assembler is not None
+        try:
+            message, finish_reason = self.assembler.result()
+        except StreamError as exc:
+            self._fail(None, str(exc))
+        else:
+            self._commit(message, finish_reason, self.assembler.usage)
+        self._end()
+        held, self.held = self.held, []
+        return held
+
+    # -- failures before or during the reply --------------------------------------------------
+
+    def on_error(self, flow: http.HTTPFlow) -> None:
+        """mitmproxy gave up on the flow: the harness left, we cancelled, or the upstream failed."""
+        if self.over:
+            return
+        message = flow.error.msg if flow.error else "unknown error"
+        if _client_gone(flow) and not self.timed_out:
+            self._end()
+            return
+        if self.timed_out:
+            detail = f"timed out after {self.mode.timeout:g} s"
+            error = f"upstream: {detail}"
+        elif self.relaying:
+            detail = message
+            error = f"upstream stream interrupted: {message}"
+        else:
+            detail = message
+            error = f"upstream: {message}"
+        self._fail(None, error)
+        self._end()
+        if not self.relaying:
+            # Once relaying, mitmproxy itself drops the harness connection mid-stream.
+            self.mode.conns.respond(flow, 502, openai_error(502, f"upstream unavailable: {detail}"))
+
+
+def _client_gone(flow: http.HTTPFlow) -> bool:
+    return bool(flow.error and flow.error.msg.startswith("Client disconnected"))
+
+
+def _text(response: http.Response) -> str:
+    content = response.get_content(strict=False) or b""
+    return content[:8000].decode("utf-8", "replace")
+
+
+def _read_reply(response: http.Response) -> tuple[str | None, dict[str, Any]]:
+    """(problem, parsed): problem is None when the body has a first choice with a message."""
+    try:
+        content = response.get_content(strict=True) or b""
+    except ValueError as exc:
+        return f"the body cannot be decoded: {exc}", {}
+    try:
+        parsed = orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        return f"the body is not JSON ({exc}): {content[:200]!r}", {}
+    if not isinstance(parsed, dict):
+        return f"the body is not a JSON object: {content[:200]!r}", {}
+    choices = parsed.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return f"no choices in the body: {content[:200]!r}", {}
+    if not isinstance(choices[0].get("message"), dict):
+        return "the first choice has no message object", {}
+    return None, parsed

@@ -1,0 +1,199 @@
+"""`skycap serve` as a process: 64 concurrent trajectories x 10 turns, SIGTERM, the CLI surface."""
+# ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from server_fixtures import upstream
+
+from skycap.mock.upstream import ScriptedUpstream
+from skycap.record.reader import read_document
+
+TRAJECTORIES = 64
+TURNS = 10
+URL_LINE = re.compile(r"listening on (http://\S+)")
+
+
+def skycap(*args: str) -> list[str]:
+    return [sys.executable, "-m", "skycap.cli.main", *args]
+
+
+class ServeProcess:
+    """`skycap serve` in a subprocess; the URL comes from its one start line on stderr."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "SKYCAP_UPSTREAM_API_KEY": "sk-upstream-test"}
+        self.process = subprocess.Popen(
+            skycap("serve", "--port", "0", *args),
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+        assert self.process.stderr is not None
+        self.first_line = self.process.stderr.readline()
+        match = URL_LINE.search(self.first_line)
+        assert match, f"no start line from skycap serve: {self.first_line!r}"
+        self.url = match.group(1)
+
+    def terminate(self, timeout: float = 30) -> tuple[int, str]:
+        self.process.send_signal(signal.SIGTERM)
+        _, rest = self.process.communicate(timeout=timeout)
+        return self.process.returncode, rest
+
+
+@pytest.fixture
+def serve(upstream: ScriptedUpstream, tmp_path: Path) -> Iterator[ServeProcess]:
+    process = ServeProcess("--upstream-url", upstream.base_url, "--record-dir", str(tmp_path))
+    yield process
+    if process.process.poll() is None:
+        process.process.kill()
+        process.process.wait()
+
+
+async def run_trajectory(client: httpx.AsyncClient, url: str, index: int) -> str:
+    created = (await client.post(f"{url}/trajectories", json={"meta": {"index": index}})).json()
+    base, key = created["base_url"], created["api_key"]
+    messages: list[dict] = [{"role": "system", "content": f"agent {index}"}]
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": f"trajectory {index} turn {turn}"})
+        body = {"model": "policy", "messages": messages, "stream": turn % 2 == 1}
+        response = await client.post(
+            f"{base}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200, response.text
+        if body["stream"]:
+            text = "".join(
+                (event["choices"][0]["delta"].get("content") or "")
+                for line in response.text.split("\n\n")
+                if line.startswith("data: {")
+                for event in [orjson.loads(line[6:])]
+                if event["choices"]
+            )
+        else:
+            text = response.json()["choices"][0]["message"]["content"]
+        assert text == f"echo: trajectory {index} turn {turn}"
+        messages.append({"role": "assistant", "content": text})
+    if index % 2 == 0:
+        finished = await client.post(f"{url}/trajectories/{created['id']}/finish", json={})
+        assert finished.json()["status"] == "finished"
+    return created["id"]
+
+
+async def load(url: str) -> list[str]:
+    limits = httpx.Limits(max_connections=TRAJECTORIES + 8, max_keepalive_connections=TRAJECTORIES)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        return await asyncio.gather(*(run_trajectory(client, url, i) for i in range(TRAJECTORIES)))
+
+
+def test_64_concurrent_trajectories_then_sigterm(
+    serve: ServeProcess, upstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    assert "text mode" in serve.first_line and "WARNING" in serve.first_line
+    ids = asyncio.run(load(serve.url))
+    assert len(set(ids)) == TRAJECTORIES
+    code, stderr = serve.terminate()
+    assert code == 0 and "Traceback" not in stderr
+    assert all(r.header("authorization") == "Bearer sk-upstream-test" for r in upstream.requests)
+    for index, trajectory_id in enumerate(ids):
+        document = read_document(tmp_path / f"{trajectory_id}.json.zst")
+        assert document["meta"] == {"index": index}
+        assert document["status"] == ("finished" if index % 2 == 0 else "open")
+        assert document["ended"] is (index % 2 == 0)
+        model_nodes = [n for n in document["nodes"] if n["author"] == "model"]
+        assert len(model_nodes) == TURNS and all(len(n["calls"]) == 1 for n in model_nodes)
+        texts = [n["message"]["content"] for n in document["nodes"]]
+        assert all(f"trajectory {index} turn" in t for t in texts[1:])
+    check = subprocess.run(skycap("check", str(tmp_path)), capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.splitlines()[-1] == f"{TRAJECTORIES} of {TRAJECTORIES} trajectories linear"
+
+
+def test_serve_usage_errors_and_version() -> None:
+    version = subprocess.run(skycap("--version"), capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("skycap ")
+    missing = subprocess.run(skycap("serve"), capture_output=True, text=True)
+    assert missing.returncode == 2 and "upstream_url (--upstream-url) is required" in missing.stderr
+    tokens = subprocess.run(
+        skycap("serve", "--upstream-url", "http://127.0.0.1:9", "--mode", "tokens"),
+        capture_output=True,
+        text=True,
+    )
+    assert tokens.returncode == 2 and "--mode tokens needs --tokenizer" in tokens.stderr
+    assert "Traceback" not in missing.stderr + tokens.stderr
+
+
+def test_serve_reports_a_port_in_use(upstream: ScriptedUpstream) -> None:
+    port = upstream.base_url.rsplit(":", 1)[1].split("/")[0]
+    taken = subprocess.run(
+        skycap("serve", "--upstream-url", upstream.base_url, "--port", port),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    assert "Traceback" not in taken.stderr
+
+
+def test_the_mitmdump_script(upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    mitmdump = Path(sys.executable).parent / "mitmdump"
+    script = Path(__file__).parents[1] / "addons" / "skycap.py"
+    process = subprocess.Popen(
+        [
+            str(mitmdump),
+            "-s",
+            str(script),
+            "--mode",
+            "reverse:http://127.0.0.1:9",
+            "--listen-host",
+            "127.0.0.1",
+            "--listen-port",
+            "0",
+            "--set",
+            "connection_strategy=lazy",
+            "--set",
+            "keep_host_header=true",
+            "--set",
+            f"skycap_upstream_url={upstream.base_url}",
+            "--set",
+            f"skycap_record_dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            match = re.search(r"listening at (127\.0\.0\.1:\d+)", line)
+            if match:
+                break
+        else:
+            pytest.fail("mitmdump did not start")
+        url = f"http://{match.group(1)}"
+        created = httpx.post(f"{url}/trajectories", json={}).json()
+        assert created["base_url"] == f"{url}/t/{created['id']}/v1"
+        reply = httpx.post(
+            f"{created['base_url']}/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "via mitmdump"}]},
+        )
+        assert reply.json()["choices"][0]["message"]["content"] == "echo: via mitmdump"
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    stored = read_document(tmp_path / f"{created['id']}.json.zst")
+    assert stored["status"] == "open" and len(stored["nodes"]) == 2

@@ -1,0 +1,105 @@
+"""Token mode through the server: the addon answers from the token backend, dedups, records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_fixtures import Control, ServerThread
+
+from skycap.mock.engine import ScriptedEngine
+from skycap.record.reader import read_document
+from skycap.server.options import ServerOptions
+
+START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "find x"}]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
+    with ScriptedEngine(qwen3_tokenizer) as scripted:
+        yield scripted
+
+
+@pytest.fixture(scope="module")
+def server(engine: ScriptedEngine, qwen3_dir: Path, tmp_path_factory) -> Iterator[ServerThread]:
+    options = ServerOptions(
+        engine.url,
+        mode="tokens",
+        tokenizer=str(qwen3_dir),
+        renderer_name="qwen3",
+        renderer_pool_size=1,
+        record_dir=tmp_path_factory.mktemp("records"),
+    )
+    thread = ServerThread(options)
+    thread.start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture
+def control(server: ServerThread) -> Iterator[Control]:
+    client = Control(server.url)
+    yield client
+    client.close()
+
+
+def test_an_episode_is_captured_with_tokens(
+    server: ServerThread, control: Control, engine: ScriptedEngine
+) -> None:
+    trajectory = control.create()
+    client = openai.OpenAI(
+        base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
+    )
+    messages: list[Any] = [dict(m) for m in START]
+    for turn in range(3):
+        if turn == 1:
+            chunks = list(client.chat.completions.create(model="p", messages=messages, stream=True))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+            if calls:
+                message["tool_calls"] = [
+                    {"id": t.id, "type": "function", "function": t.function.model_dump()}
+                    for t in calls
+                ]
+        else:
+            reply = client.chat.completions.create(model="p", messages=messages)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+        messages.append(message)
+        for call in message.get("tool_calls") or ():
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
+        if not message.get("tool_calls"):
+            messages.append({"role": "user", "content": "and again?"})
+    health = control.http.get("/healthz").json()
+    assert health["capture"]["mode"] == "tokens" and health["tokens_total"] > 0
+    listing = control.http.get("/trajectories").json()
+    assert listing[0]["calls"] == 3 and listing[0]["last_call"]["finish_reason"]
+    result = control.finish(trajectory["id"], annotations={"reward": 1}).json()
+    sample = result["samples"][0]
+    assert len(sample["input_ids"]) == len(sample["loss_mask"]) == len(sample["logprobs"])
+    assert sum(sample["loss_mask"]) > 0
+    files = result["record"]["files"]
+    assert files[0].endswith(".tokens.zst") and files[-1].endswith(".json.zst")
+    stored = read_document(Path(result["record"]["path"]))
+    assert stored["capture"]["mode"] == "tokens" and stored["sidecars"]["tokens"]
+
+
+def test_token_replies_are_replayed_to_retries(control: Control, engine: ScriptedEngine) -> None:
+    trajectory = control.create()
+    url = f"{trajectory['base_url']}/chat/completions"
+    body = {"model": "p", "messages": START}
+    before = len(engine.requests)
+    first = httpx.post(url, json=body, timeout=30)
+    retry = httpx.post(url, json=body, headers={"x-stainless-retry-count": "1"}, timeout=30)
+    assert first.status_code == retry.status_code == 200
+    assert retry.content == first.content and first.headers["x-skycap-status"] == "ok"
+    assert len(engine.requests) == before + 1
+    assert control.document(trajectory["id"]).json()["retries"]["replayed"] == 1
+    models = httpx.get(f"{trajectory['base_url']}/models")
+    assert models.status_code == 200 and models.json()["object"] == "list"
+    refused = httpx.post(url, json={"model": "p", "messages": START, "n": 3})
+    assert refused.status_code == 400
