@@ -1,0 +1,51 @@
+"""`skycap validate`: check record directories against the viewer.md §7 rules, for CI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "Check record directories against the record rules (exit 0 clean, 1 problems, 2 usage)."
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit {text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--limit {value} is negative; pass 0 or more")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="record directories to check")
+    parser.add_argument(
+        "--sidecars",
+        action="store_true",
+        help="also decode each tokens sidecar and check it against its document",
+    )
+    parser.add_argument(
+        "--limit",
+        type=_limit,
+        default=20,
+        metavar="N",
+        help="print at most N problem lines per directory (default 20)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from skycap.viewer.validate import check_directory
+
+    for directory in args.dirs:
+        if not Path(directory).is_dir():
+            print(f"skycap validate: error: {directory} is not a directory", file=sys.stderr)
+            return 2
+    bad = 0
+    for directory in args.dirs:
+        report = check_directory(Path(directory), sidecars=args.sidecars, limit=args.limit)
+        for line in report.lines + report.footer():
+            print(line)
+        bad += report.bad
+    return 1 if bad else 0

@@ -1,0 +1,355 @@
+"""Runs for the viewer: record directories found under the given folders, and a cached summary
+per document, rescanned incrementally (viewer.md §1).
+
+A rescan lists each directory once, re-reads only documents whose modification time or
+size changed (or whose listed sidecar files came or went) and drops deleted ones, so a
+run of 10,000 records lists again in milliseconds. Summaries come from documents alone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from skycap.viewer import derive
+from skycap.viewer.validate import DOCUMENT_SUFFIX, document_problems, listed_files, read_document
+
+UNREADABLE = "unreadable"
+
+
+def group_value(value: Any) -> str | None:
+    """A group-key part as a string (JavaScript `String()` spelling), None when ungroupable."""
+    if value is None or isinstance(value, dict | list):
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def lookup(meta: Mapping[str, Any], annotations: Mapping[str, Any], key: str) -> Any:
+    """viewer.md §4: a key is looked up in `meta`, then in `annotations`."""
+    return meta[key] if key in meta else annotations.get(key)
+
+
+def task_of(meta: Mapping[str, Any]) -> str | None:
+    """`meta.task_id`, else the base name of `meta.task`, else `meta.instance_id`."""
+    for key in ("task_id", "task", "instance_id"):
+        value = group_value(meta.get(key))
+        if value is not None and key == "task":
+            return os.path.basename(value.rstrip("/")) or value
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass(slots=True)
+class Summary:
+    """What the listing, filters, groups and health band need of one document."""
+
+    id: str
+    stamp: tuple[int, int]
+    presence: tuple[bool, ...] = ()
+    status: str = UNREADABLE
+    created_at: float | None = None
+    mode: str | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    annotations: Mapping[str, Any] = field(default_factory=dict)
+    tokens: int | None = None
+    trainable: int | None = None
+    turns: int = 0
+    paths: int = 0
+    flags: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    strip: list[list[Any]] = field(default_factory=list)
+    listed: dict[str, str] = field(default_factory=dict)
+    search: str = ""
+
+    @property
+    def reward(self) -> float | None:
+        return derive.numeric_reward(self.annotations.get("reward"))
+
+    @property
+    def stop_reason(self) -> Any:
+        return self.annotations.get("stop_reason")
+
+    @property
+    def step(self) -> float | None:
+        return derive.as_number(self.meta.get("step"))
+
+    @property
+    def task(self) -> str | None:
+        return task_of(self.meta)
+
+    @property
+    def repetition(self) -> str:
+        value = group_value(self.meta.get("repetition_id"))
+        return self.id if value is None else value
+
+    @property
+    def attempt(self) -> float:
+        return derive.as_number(self.meta.get("attempt")) or 0.0
+
+    @property
+    def health(self) -> int:
+        return derive.health_score(self.flags)
+
+    def group_key(self, keys: tuple[str, ...]) -> str | None:
+        parts = [group_value(lookup(self.meta, self.annotations, key)) for key in keys]
+        return None if any(p is None for p in parts) else "~".join(parts)
+
+    def row(self) -> dict[str, Any]:
+        """The rollouts-table row (flags without the quiet ones, viewer.md §3)."""
+        return {
+            "id": self.id,
+            "status": self.status,
+            "created_at": self.created_at,
+            "mode": self.mode,
+            "step": self.step,
+            "task": self.task,
+            "instance_id": self.meta.get("instance_id"),
+            "repetition": self.repetition,
+            "attempt": self.attempt,
+            "reward": self.reward,
+            "stop_reason": self.stop_reason,
+            "tokens": self.tokens,
+            "trainable": self.trainable,
+            "turns": self.turns,
+            "paths": self.paths,
+            "flags": [f for f in self.flags if f not in derive.QUIET_FLAGS],
+            "problems": len(self.problems),
+            "strip": self.strip,
+        }
+
+
+def presence(listed: Mapping[str, str], files: set[str]) -> tuple[bool, ...]:
+    return tuple(name in files for name in listed.values())
+
+
+def text_mode_tokens(derived: derive.Derived) -> int | None:
+    """Text mode has no token counts; the largest `usage` total of any call stands in."""
+    totals = []
+    for call in derive.all_calls(derived):
+        usage = derive.as_dict(call.get("usage"))
+        total = usage.get("total_tokens")
+        if not derive.is_int(total):
+            parts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
+            total = sum(parts) if all(derive.is_int(p) for p in parts) else None
+        if total is not None:
+            totals.append(total)
+    return max(totals) if totals else None
+
+
+def summarise(
+    doc_id: str,
+    stamp: tuple[int, int],
+    document: dict[str, Any] | None,
+    problems: list[str],
+    present: set[str],
+) -> Summary:
+    """One document's summary; an unreadable one keeps its problem and status `unreadable`."""
+    summary = Summary(id=doc_id, stamp=stamp, problems=problems, search=doc_id.lower())
+    if document is None:
+        return summary
+    summary.problems = problems + document_problems(document)
+    derived = derive.derive(document)
+    status = document.get("status")
+    summary.status = status if isinstance(status, str) else str(status)
+    summary.created_at = derive.as_number(document.get("created_at"))
+    summary.mode = derive.capture_mode(document)
+    summary.meta = derive.as_dict(document.get("meta"))
+    summary.annotations = derive.as_dict(document.get("annotations"))
+    summary.listed = listed_files(document)
+    summary.presence = presence(summary.listed, present)
+    summary.turns = len(derive.all_calls(derived))
+    summary.paths = len(derived.paths)
+    if derive.uses_tokens(derived):
+        summary.tokens = sum(derive.token_length(node) for node in derived.nodes)
+        summary.trainable = sum(c.trainable for c in derived.counts)
+    else:
+        summary.tokens = text_mode_tokens(derived)
+    if derived.paths:
+        chars = not derive.uses_tokens(derived)
+        summary.strip = derive.strip(derive.path_blocks(derived, 0, chars=chars))
+    summary.flags = derive.rollout_flags(document, derived, present)
+    text = orjson.dumps([summary.meta, summary.annotations], default=str).decode()
+    summary.search = f"{doc_id} {text}".lower()
+    return summary
+
+
+class Run:
+    """One record directory and its document summaries; `rescan` brings it up to date."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name = name
+        self.path = path
+        self.summaries: dict[str, Summary] = {}
+        self.version = 0
+        self.lock = threading.Lock()
+
+    def _listing(self) -> tuple[set[str], dict[str, tuple[int, int]]]:
+        files: set[str] = set()
+        documents: dict[str, tuple[int, int]] = {}
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError:
+            return files, documents
+        for entry in entries:
+            name = entry.name
+            if name.startswith("."):
+                continue
+            files.add(name)
+            if name.endswith(DOCUMENT_SUFFIX):
+                try:
+                    stat = entry.stat()
+                except OSError:
+                    continue
+                if entry.is_file():
+                    documents[name[: -len(DOCUMENT_SUFFIX)]] = (stat.st_mtime_ns, stat.st_size)
+        return files, documents
+
+    @staticmethod
+    def _stale(summary: Summary | None, stamp: tuple[int, int], files: set[str]) -> bool:
+        """Changed on disk, or one of its listed sidecar files came or went."""
+        return (
+            summary is None
+            or summary.stamp != stamp
+            or summary.presence != presence(summary.listed, files)
+        )
+
+    def rescan(self) -> bool:
+        """Re-read new and changed documents, drop deleted ones; True when anything changed."""
+        with self.lock:
+            files, documents = self._listing()
+            changed = False
+            for doc_id in list(self.summaries):
+                if doc_id not in documents:
+                    del self.summaries[doc_id]
+                    changed = True
+            for doc_id, stamp in documents.items():
+                if not self._stale(self.summaries.get(doc_id), stamp, files):
+                    continue
+                document, problems = read_document(self.path / f"{doc_id}{DOCUMENT_SUFFIX}")
+                try:
+                    summary = summarise(doc_id, stamp, document, problems, files)
+                except Exception as exc:  # a document odd enough to break derivation
+                    reason = f"cannot summarise: {type(exc).__name__}: {exc}"
+                    summary = Summary(id=doc_id, stamp=stamp, problems=[reason])
+                self.summaries[doc_id] = summary
+                changed = True
+            if changed:
+                self.version += 1
+            return changed
+
+    def snapshot(self) -> list[Summary]:
+        """The summaries as of the last rescan (taken under the lock a rescan holds)."""
+        with self.lock:
+            return list(self.summaries.values())
+
+    def info(self) -> dict[str, Any]:
+        summaries = self.snapshot()
+        modes: dict[str, int] = {}
+        for s in summaries:
+            modes[s.mode or "unknown"] = modes.get(s.mode or "unknown", 0) + 1
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "trajectories": len(summaries),
+            "unreadable": sum(1 for s in summaries if s.status == UNREADABLE),
+            "modes": modes,
+            "version": self.version,
+        }
+
+
+def holds_records(path: Path) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return any(
+                e.name.endswith(DOCUMENT_SUFFIX) and not e.name.startswith(".") for e in entries
+            )
+    except OSError:
+        return False
+
+
+def subdirectories(path: Path) -> list[Path]:
+    try:
+        with os.scandir(path) as entries:
+            return sorted(
+                Path(e.path) for e in entries if e.is_dir() and not e.name.startswith(".")
+            )
+    except OSError:
+        return []
+
+
+def record_directories(root: Path) -> list[Path]:
+    """`root` itself if it holds records, else its children or grandchildren that do."""
+    if holds_records(root):
+        return [root]
+    found = []
+    for child in subdirectories(root):
+        if holds_records(child):
+            found.append(child)
+        else:
+            found += [grand for grand in subdirectories(child) if holds_records(grand)]
+    return found
+
+
+def run_name(path: Path) -> str:
+    """Named after the directory, or after its parent when the directory is called `skycap`."""
+    return path.parent.name if path.name == "skycap" and path.parent.name else path.name
+
+
+class Index:
+    """All runs under the given folders. Safe to call from several server threads."""
+
+    def __init__(self, roots: list[Path], *, min_interval: float = 1.0) -> None:
+        self.roots = [Path(root).resolve() for root in roots]
+        self.min_interval = min_interval
+        self.runs: dict[str, Run] = {}
+        self._names: dict[Path, str] = {}
+        self._lock = threading.Lock()
+        self._refreshed_at: float | None = None
+
+    def _discover(self) -> None:
+        for root in self.roots:
+            for path in record_directories(root):
+                if path in self._names:
+                    continue
+                base = name = run_name(path)
+                n = 1
+                while name in self.runs:
+                    n += 1
+                    name = f"{base}~{n}"
+                self._names[path] = name
+                self.runs[name] = Run(name, path)
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Find new runs and rescan every run, at most once per `min_interval` unless forced."""
+        with self._lock:
+            now = time.monotonic()
+            if (
+                not force
+                and self._refreshed_at is not None
+                and now - self._refreshed_at < self.min_interval
+            ):
+                return
+            self._discover()
+            for run in list(self.runs.values()):
+                run.rescan()
+            self._refreshed_at = time.monotonic()
+
+    def run(self, name: str) -> Run | None:
+        self.refresh()
+        return self.runs.get(name)
+
+    def listing(self) -> list[dict[str, Any]]:
+        self.refresh()
+        return [run.info() for run in self.runs.values()]

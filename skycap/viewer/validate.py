@@ -1,0 +1,535 @@
+"""The validation rules of viewer.md §7 as problem lines, for `skycap validate` and the viewer.
+
+Documents are read here (not through the record reader) because the rules name zstd
+framing faults by byte offset and count frames (R1, rule 17), which a plain decompressor
+hides. Values inside problem texts are shown as JSON (strings quoted); a missing key shows
+as `absent`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import zstandard
+
+from skycap.record.layout import DOCUMENT_SUFFIX, DTYPES, FORMAT_VERSION
+from skycap.record.layout import KINDS as SIDECAR_KINDS
+from skycap.trajectory import STATUSES
+from skycap.viewer.derive import as_dict, as_list, is_int, malformed_kinds
+
+ZSTD_MAGIC = 0xFD2FB528
+SKIPPABLE_MASK, SKIPPABLE_BASE = 0xFFFFFFF0, 0x184D2A50
+TOKEN_ARRAYS = ("token_ids", "logprobs", "text_offsets", "text")
+PROBLEMS_PER_LINE = 5
+DEFAULT_LIMIT = 20
+
+
+class FrameError(ValueError):
+    """A zstd framing fault (R1); the message is the problem text."""
+
+
+# Stands for a key the document does not have, so `show` can say so.
+ABSENT = object()
+
+
+def show(value: Any) -> str:
+    return orjson.dumps(value).decode() if value is not ABSENT else "absent"
+
+
+def _frame_header_size(data: bytes, start: int) -> int:
+    """Bytes of a zstd frame header after the magic number (RFC 8878 §3.1.1.1)."""
+    if start + 5 > len(data):
+        raise FrameError(f"truncated zstd frame at byte {start}")
+    descriptor = data[start + 4]
+    single_segment = descriptor & 0x20
+    fcs_flag = descriptor >> 6
+    size = 1 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 0x03]
+    size += (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+    return size
+
+
+def _frame_end(data: bytes, start: int) -> int:
+    """The end of the zstd frame at `start`, walking its block headers."""
+    cursor = start + 4 + _frame_header_size(data, start)
+    checksum = data[start + 4] & 0x04
+    while True:
+        if cursor + 3 > len(data):
+            raise FrameError(f"truncated zstd frame at byte {start}")
+        header = int.from_bytes(data[cursor : cursor + 3], "little")
+        block_type = (header >> 1) & 0x03
+        if block_type == 3:
+            raise FrameError(f"reserved zstd block type at byte {cursor}")
+        cursor += 3 + (1 if block_type == 1 else header >> 3)
+        if header & 1:
+            break
+    cursor += 4 if checksum else 0
+    if cursor > len(data):
+        raise FrameError(f"truncated zstd frame at byte {start}")
+    return cursor
+
+
+def zstd_frames(data: bytes) -> list[tuple[int, int]]:
+    """The (start, end) of every zstd frame; skippable frames are passed over (R1)."""
+    frames = []
+    cursor = 0
+    while cursor < len(data) or not frames:
+        if cursor + 4 > len(data):
+            raise FrameError(f"not a zstd frame at byte {cursor}")
+        magic = int.from_bytes(data[cursor : cursor + 4], "little")
+        if magic & SKIPPABLE_MASK == SKIPPABLE_BASE:
+            if cursor + 8 > len(data):
+                raise FrameError(f"truncated zstd frame at byte {cursor}")
+            cursor += 8 + int.from_bytes(data[cursor + 4 : cursor + 8], "little")
+            if cursor > len(data):
+                raise FrameError(f"truncated zstd frame at byte {cursor}")
+            continue
+        if magic != ZSTD_MAGIC:
+            raise FrameError(f"not a zstd frame at byte {cursor}")
+        end = _frame_end(data, cursor)
+        frames.append((cursor, end))
+        cursor = end
+    return frames
+
+
+def decompress(data: bytes) -> tuple[bytes, int]:
+    """The content of every zstd frame, concatenated, and the frame count."""
+    frames = zstd_frames(data)
+    out = []
+    for start, end in frames:
+        try:
+            out.append(zstandard.ZstdDecompressor().decompressobj().decompress(data[start:end]))
+        except zstandard.ZstdError as exc:
+            raise FrameError(f"corrupt zstd frame at byte {start}: {exc}") from exc
+    return b"".join(out), len(frames)
+
+
+def frames_problem(name: str, count: int) -> list[str]:
+    return [] if count == 1 else [f"{name} has {count} zstd frames (format.md: one)"]
+
+
+def parse_document(data: bytes, name: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """R1-R4 and rule 17 on a document file's bytes: (document or None, problems).
+
+    A failure of R1-R4 is the document's single problem and leaves no document.
+    """
+    try:
+        payload, count = decompress(data)
+    except FrameError as exc:
+        return None, [str(exc)]
+    try:
+        document = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        document = None
+    if not isinstance(document, dict):
+        return None, ["document is not a JSON object"]
+    version = document.get("format_version", ABSENT)
+    if not (is_int(version) or isinstance(version, float)) or version != FORMAT_VERSION:
+        return None, [
+            f"unsupported format_version {show(version)} (this reader knows {FORMAT_VERSION})"
+        ]
+    if not isinstance(document.get("nodes"), list):
+        return None, ["document has no nodes array"]
+    return document, frames_problem(name, count)
+
+
+def read_document(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, [f"cannot read {path.name}: {exc.strerror}"]
+    return parse_document(data, path.name)
+
+
+def _node_rules(document: Mapping[str, Any]) -> list[str]:
+    """Rules 3-11 over the nodes, in node order."""
+    problems: list[str] = []
+    nodes = as_list(document.get("nodes"))
+    tools = as_dict(document.get("tools"))
+    mode = as_dict(document.get("capture")).get("mode")
+    token_cursor = text_cursor = 0
+    for i, node in enumerate(nodes):
+        if not isinstance(node, dict):
+            problems.append(f"nodes[{i}] is not an object")
+            continue
+        if node.get("id", ABSENT) != i or not is_int(node.get("id")):
+            problems.append(f"nodes[{i}].id is {show(node.get('id', ABSENT))}")
+        parent = node.get("parent", ABSENT)
+        if parent is None:
+            expected_depth = 0
+        elif is_int(parent) and 0 <= parent < i:
+            parent_depth = as_dict(nodes[parent]).get("depth")
+            expected_depth = parent_depth + 1 if is_int(parent_depth) else None
+        else:
+            problems.append(f"node {i} has parent {show(parent)}, not an earlier node")
+            expected_depth = None
+        depth = node.get("depth", ABSENT)
+        if expected_depth is not None and (not is_int(depth) or depth != expected_depth):
+            problems.append(f"node {i}: depth {show(depth)}, expected {expected_depth}")
+        author = node.get("author", ABSENT)
+        if author not in ("client", "model"):
+            problems.append(f"node {i}: author {show(author)}")
+        calls = node.get("calls")
+        if author == "client" and as_list(calls):
+            problems.append(f"node {i}: client node with calls")
+        if author == "model" and not as_list(calls):
+            problems.append(f"node {i}: model node without calls")
+        shadow = node.get("shadowed_by")
+        if shadow is not None and not _is_shadow_sibling(nodes, i, shadow):
+            problems.append(
+                f"node {i}: shadowed_by {show(shadow)} is not a sibling with the same match hash"
+            )
+        for call in as_list(calls):
+            call = as_dict(call)
+            key = call.get("tools")
+            if key is not None and (not isinstance(key, str) or key not in tools):
+                problems.append(f"node {i}: call tools {show(key)} not in document tools")
+            if mode != "tokens" and call.get("bridged") is not None:
+                problems.append(f"node {i}: bridged {show(call['bridged'])} in text mode")
+        tokens = node.get("tokens")
+        if tokens is None:
+            if mode == "tokens":
+                problems.append(f"node {i}: token mode but tokens is null")
+            continue
+        if not isinstance(tokens, dict):
+            problems.append(f"node {i}: tokens is not an object")
+            continue
+        token_cursor, text_cursor = _token_rules(
+            problems, i, author, tokens, token_cursor, text_cursor
+        )
+    return problems
+
+
+def _is_shadow_sibling(nodes: list[Any], i: int, shadow: Any) -> bool:
+    if not is_int(shadow) or not 0 <= shadow < len(nodes) or shadow == i:
+        return False
+    other, node = as_dict(nodes[shadow]), nodes[i]
+    return other.get("parent") == node.get("parent") and (
+        other.get("match_hash") == node.get("match_hash")
+    )
+
+
+def _token_rules(
+    problems: list[str],
+    i: int,
+    author: Any,
+    tokens: Mapping[str, Any],
+    token_cursor: int,
+    text_cursor: int,
+) -> tuple[int, int]:
+    """Rule 11 for one node; returns the advanced token and text cursors."""
+    offset, length = tokens.get("offset", ABSENT), tokens.get("length", ABSENT)
+    if not is_int(length) or length < 0:
+        problems.append(f"node {i}: tokens length {show(length)}")
+        length = 0
+    if offset != token_cursor or not is_int(offset):
+        problems.append(
+            f"node {i}: tokens offset {show(offset)}, expected {token_cursor} (node order)"
+        )
+    text_offset = tokens.get("text_offset")
+    if text_offset is not None and (text_offset != text_cursor or not is_int(text_offset)):
+        problems.append(
+            f"node {i}: text_offset {show(text_offset)}, expected {text_cursor} (node order)"
+        )
+    text_bytes = tokens.get("text_bytes")
+    start = tokens.get("sampled_start", ABSENT)
+    if author == "client" and start is not None:
+        problems.append(f"node {i}: client node with sampled_start")
+    if author == "model":
+        if not is_int(start) or not 0 <= start <= length:
+            problems.append(f"node {i}: sampled_start {show(start)} of {length}")
+        elif tokens.get("mask_offset") is not None and tokens.get("mask_rows") != length - start:
+            problems.append(
+                f"node {i}: {show(tokens.get('mask_rows', ABSENT))} mask rows for "
+                f"{length - start} sampled tokens"
+            )
+    if tokens.get("experts_offset") is not None and tokens.get("experts_rows") != length:
+        problems.append(
+            f"node {i}: {show(tokens.get('experts_rows', ABSENT))} expert rows for {length} tokens"
+        )
+    return token_cursor + length, text_cursor + (text_bytes if is_int(text_bytes) else 0)
+
+
+def _array_shape0(entry: Any, name: str) -> int | None:
+    shape = as_dict(as_dict(as_dict(entry).get("arrays")).get(name)).get("shape")
+    return shape[0] if isinstance(shape, list) and shape and is_int(shape[0]) else None
+
+
+def _manifest_rules(document: Mapping[str, Any]) -> list[str]:
+    """Rules 12, 13, 15 and 16: the manifest against what the nodes cover."""
+    problems: list[str] = []
+    manifest = document.get("sidecars")
+    if manifest is not None and not isinstance(manifest, dict):
+        return ["sidecars is not an object"]
+    manifest = as_dict(manifest)
+    tokens = [as_dict(as_dict(n).get("tokens")) for n in as_list(document.get("nodes"))]
+    if "tokens" in manifest:
+        entry = manifest["tokens"]
+        covered = sum(t["length"] for t in tokens if is_int(t.get("length")))
+        found = _array_shape0(entry, "token_ids")
+        if found != covered:
+            problems.append(f"tokens sidecar has {show(found)} tokens, nodes cover {covered}")
+        text = sum(t["text_bytes"] for t in tokens if is_int(t.get("text_bytes")))
+        found = _array_shape0(entry, "text")
+        if found != text:
+            problems.append(f"tokens sidecar has {show(found)} text bytes, nodes cover {text}")
+        for name, array in as_dict(as_dict(entry).get("arrays")).items():
+            offset = as_dict(array).get("offset", ABSENT)
+            if not is_int(offset) or offset % 8:
+                problems.append(f"tokens.{name} offset {show(offset)} not a multiple of 8")
+    problems += [
+        f"node {i} slices into {kind}, which is not in the sidecars manifest"
+        for i, kind in malformed_kinds(document)
+    ]
+    problems += [f"unknown sidecar kind {show(k)}" for k in manifest if k not in SIDECAR_KINDS]
+    if "sampling_mask" in manifest:
+        rows = sum(
+            t["mask_rows"]
+            for t in tokens
+            if t.get("mask_offset") is not None and is_int(t.get("mask_rows"))
+        )
+        found = _array_shape0(manifest["sampling_mask"], "offsets")
+        if found != rows + 1:
+            problems.append(f"sampling_mask offsets has {show(found)} entries for {rows} rows")
+    return problems
+
+
+def document_problems(document: Mapping[str, Any]) -> list[str]:
+    """Rules 1-13, 15 and 16 on a readable document, in rule order."""
+    problems = [
+        f"missing {key}" for key in ("id", "status", "nodes", "sidecars") if key not in document
+    ]
+    status = document.get("status", ABSENT)
+    if status is not ABSENT and status not in STATUSES:
+        problems.append(f"unknown status {show(status)}")
+    return problems + _node_rules(document) + _manifest_rules(document)
+
+
+def listed_files(document: Mapping[str, Any]) -> dict[str, str]:
+    """kind -> the sidecar file name the manifest lists (bare names only)."""
+    files = {}
+    for kind, entry in as_dict(document.get("sidecars")).items():
+        name = as_dict(entry).get("file")
+        if isinstance(name, str) and name and os.path.basename(name) == name:
+            files[kind] = name
+    return files
+
+
+def token_arrays(
+    payload: bytes, entry: Mapping[str, Any]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The tokens sidecar's arrays, viewed from the payload, and the problems that stop any."""
+    arrays: dict[str, np.ndarray] = {}
+    problems = []
+    listed = as_dict(entry.get("arrays"))
+    for name, spec in listed.items():
+        spec = as_dict(spec)
+        dtype, shape, offset = spec.get("dtype"), spec.get("shape"), spec.get("offset")
+        if dtype not in DTYPES:
+            problems.append(f"array {name}: unknown dtype {show(dtype)}")
+            continue
+        dt = np.dtype(dtype).newbyteorder("<")
+        if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+            problems.append(f"array {name}: shape {show(shape)}")
+            continue
+        if not is_int(offset) or offset < 0 or offset % dt.itemsize:
+            problems.append(f"array {name}: offset {show(offset)} not aligned to {dt.itemsize}")
+            continue
+        count = int(np.prod(shape, dtype=np.int64))
+        end = offset + count * dt.itemsize
+        if end > len(payload):
+            problems.append(
+                f"array {name}: bytes [{offset}, {end}) outside the {len(payload)}-byte payload"
+            )
+            continue
+        arrays[name] = np.frombuffer(payload, dtype=dt, count=count, offset=offset).reshape(shape)
+    problems += [
+        f"tokens sidecar has no {name} array" for name in TOKEN_ARRAYS if name not in listed
+    ]
+    return arrays, problems
+
+
+def _is_continuation(text: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    inside = positions < text.shape[0]
+    found = np.zeros(positions.shape, dtype=bool)
+    found[inside] = (text[positions[inside]] & 0xC0) == 0x80
+    return found
+
+
+def _span_problem(i: int, text: np.ndarray, starts: np.ndarray, text_bytes: int) -> str | None:
+    """The first token of a node whose text span is out of order, out of range or not whole."""
+    if not starts.size:
+        return None
+    ends = np.append(starts[1:], text_bytes)
+    bad = np.flatnonzero((starts < 0) | (ends < starts) | (ends > text_bytes))
+    if bad.size:
+        k = int(bad[0])
+        return f"node {i} token {k} span [{starts[k]}, {ends[k]}) is outside or out of order"
+    try:
+        text.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        k = int(np.searchsorted(ends, exc.start, side="right"))
+        return f"node {i} token {min(k, starts.size - 1)} span is not whole UTF-8 characters"
+    nonempty = ends > starts
+    cut = nonempty & (_is_continuation(text, starts) | _is_continuation(text, ends))
+    bad = np.flatnonzero(cut)
+    if bad.size:
+        return f"node {i} token {int(bad[0])} span is not whole UTF-8 characters"
+    return None
+
+
+def token_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """Rule 14 per node, against the decoded tokens sidecar."""
+    if any(name not in arrays for name in TOKEN_ARRAYS):
+        return []
+    n = arrays["token_ids"].shape[0]
+    text = arrays["text"].reshape(-1).view(np.uint8)
+    problems = []
+    for i, node in enumerate(as_list(document.get("nodes"))):
+        tokens = as_dict(as_dict(node).get("tokens"))
+        offset, length = tokens.get("offset"), tokens.get("length")
+        if not is_int(offset) or not is_int(length):
+            continue
+        if offset < 0 or offset + length > n:
+            problems.append(
+                f"node {i} tokens [{offset}, {offset + length}) outside the {n}-token sidecar"
+            )
+            continue
+        text_offset, text_bytes = tokens.get("text_offset"), tokens.get("text_bytes")
+        if is_int(text_offset) and is_int(text_bytes):
+            if text_offset < 0 or text_offset + text_bytes > text.shape[0]:
+                problems.append(
+                    f"node {i} text [{text_offset}, {text_offset + text_bytes}) outside the "
+                    f"{text.shape[0]}-byte text"
+                )
+            else:
+                own = text[text_offset : text_offset + text_bytes]
+                starts = arrays["text_offsets"][offset : offset + length].astype(np.int64)
+                problem = _span_problem(i, own, starts, text_bytes)
+                if problem:
+                    problems.append(problem)
+        start = tokens.get("sampled_start")
+        if as_dict(node).get("author") == "model" and tokens.get("has_logprobs") is True:
+            if is_int(start) and 0 <= start <= length:
+                scaffold = arrays["logprobs"][offset : offset + start]
+                bad = np.flatnonzero(~(np.isnan(scaffold) | (scaffold == 0)))
+                if bad.size:
+                    k = int(bad[0])
+                    problems.append(
+                        f"node {i}: scaffold token {k} logprob {float(scaffold[k])!r}, "
+                        "expected 0 or NaN"
+                    )
+    return problems
+
+
+def sidecar_problems(record_dir: Path, document: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Rules 14 and 17 over the sidecar files present: (problems, listed kinds not here)."""
+    problems: list[str] = []
+    missing = []
+    manifest = as_dict(document.get("sidecars"))
+    for kind, name in listed_files(document).items():
+        path = record_dir / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            missing.append(kind)
+            continue
+        except OSError as exc:
+            problems.append(f"cannot read {name}: {exc.strerror}")
+            continue
+        try:
+            if kind != "tokens":
+                problems += frames_problem(name, len(zstd_frames(data)))
+                continue
+            payload, count = decompress(data)
+        except FrameError as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        problems += frames_problem(name, count)
+        arrays, array_problems = token_arrays(payload, as_dict(manifest[kind]))
+        problems += array_problems + token_problems(document, arrays)
+    return problems, missing
+
+
+def missing_sidecars(record_dir: Path, document: Mapping[str, Any]) -> list[str]:
+    """Listed kinds whose file is not beside the document (rule 18: read as absent)."""
+    return [
+        kind for kind, name in listed_files(document).items() if not (record_dir / name).exists()
+    ]
+
+
+def problem_line(doc_id: str, problems: list[str]) -> str:
+    """`<id>: p1; p2; p3; p4; p5 (+k)`."""
+    shown = "; ".join(problems[:PROBLEMS_PER_LINE])
+    extra = len(problems) - PROBLEMS_PER_LINE
+    return f"{doc_id}: {shown}" + (f" (+{extra})" if extra > 0 else "")
+
+
+def document_ids(record_dir: Path) -> list[str]:
+    """Top-level `*.json.zst` names without a leading dot, as ids, sorted (format.md §4)."""
+    ids = []
+    with os.scandir(record_dir) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.endswith(DOCUMENT_SUFFIX) and not name.startswith(".") and entry.is_file():
+                ids.append(name[: -len(DOCUMENT_SUFFIX)])
+    return sorted(ids)
+
+
+@dataclass
+class DirectoryReport:
+    """One directory's outcome: problem lines (up to the limit) and the counts for its footer."""
+
+    directory: str
+    documents: int = 0
+    bad: int = 0
+    lines: list[str] = field(default_factory=list)
+    missing: dict[str, int] = field(default_factory=dict)
+    sidecars: bool = False
+
+    def footer(self) -> list[str]:
+        line = f"{self.directory}: {self.documents} documents, {self.bad} with problems"
+        out = [line + (" (tokens sidecars checked)" if self.sidecars else "")]
+        if self.missing:
+            counts = ", ".join(
+                f"{kind} {self.missing[kind]}" for kind in sorted(self.missing, key=_kind_order)
+            )
+            out.append(f"{self.directory}: listed sidecar files not here, read as absent: {counts}")
+        return out
+
+
+def _kind_order(kind: str) -> tuple[int, str]:
+    return (SIDECAR_KINDS.index(kind) if kind in SIDECAR_KINDS else len(SIDECAR_KINDS), kind)
+
+
+def check_document(record_dir: Path, doc_id: str, *, sidecars: bool) -> tuple[list[str], list[str]]:
+    """(problems, listed sidecar kinds not here) for one document."""
+    document, problems = read_document(record_dir / f"{doc_id}{DOCUMENT_SUFFIX}")
+    if document is None:
+        return problems, []
+    problems += document_problems(document)
+    if not sidecars:
+        return problems, missing_sidecars(record_dir, document)
+    found, missing = sidecar_problems(record_dir, document)
+    return problems + found, missing
+
+
+def check_directory(
+    record_dir: Path, *, sidecars: bool = False, limit: int = DEFAULT_LIMIT
+) -> DirectoryReport:
+    report = DirectoryReport(directory=str(record_dir), sidecars=sidecars)
+    for doc_id in document_ids(record_dir):
+        problems, missing = check_document(record_dir, doc_id, sidecars=sidecars)
+        report.documents += 1
+        for kind in missing:
+            report.missing[kind] = report.missing.get(kind, 0) + 1
+        if problems:
+            report.bad += 1
+            if len(report.lines) < limit:
+                report.lines.append(problem_line(doc_id, problems))
+    return report
