@@ -1,0 +1,133 @@
+"""The house rules hold: modules import only from their own layer or below, with no cycles,
+the client side never loads mitmproxy, and every file says what it is on its first line."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "skycap"
+
+# docs/architecture.md: each module may import only from its own layer or below.
+LAYERS = [
+    ("skycap.hashing", "skycap.arrays", "skycap.wire"),
+    ("skycap.graph",),
+    ("skycap.trajectory",),
+    ("skycap.record", "skycap.text", "skycap.tokens"),
+    ("skycap.samples", "skycap.linearity"),
+    (
+        "skycap.client",
+        "skycap.loader",
+        "skycap.server",
+        "skycap.service",
+        "skycap.mock",
+        "skycap.dashboard",
+        "skycap.viewer",
+        "skycap.certs",
+        "skycap.demo",
+    ),
+    ("skycap.cli",),
+]
+
+
+def layer_of(module: str) -> int:
+    for level, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    if module == "skycap":
+        return len(LAYERS)
+    raise AssertionError(f"{module} is in no layer of tests/test_layers.py: add it")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def skycap_imports(path: Path) -> set[str]:
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names if a.name.startswith("skycap")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("skycap"):
+            imported.add(node.module)
+    return imported
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_module_imports_only_its_layer_or_below() -> None:
+    wrong = []
+    for name, path in MODULES.items():
+        if name == "skycap":
+            continue
+        for target in skycap_imports(path):
+            if layer_of(target) > layer_of(name):
+                wrong.append(f"{name} (layer {layer_of(name)}) imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles() -> None:
+    graph = {name: {t for t in skycap_imports(p) if t in MODULES} for name, p in MODULES.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for target in graph[name]:
+            assert state.get(target) != 1, "import cycle: " + " -> ".join([*trail, target])
+            if target not in state:
+                visit(target, [*trail, target])
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+def test_client_side_and_records_never_load_mitmproxy() -> None:
+    code = (
+        "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard\n"
+        "from skycap import CapturePool, Sample, load\n"
+        "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_graph_and_record_code_know_nothing_of_http() -> None:
+    for name, path in MODULES.items():
+        if layer_of(name) <= 2 or name.startswith("skycap.record"):
+            source = path.read_text()
+            for word in ("mitmproxy", "httpx", "http.server"):
+                assert f"import {word}" not in source and f"from {word}" not in source, (
+                    f"{name} imports {word}"
+                )
+
+
+def test_every_file_opens_with_a_sentence_saying_what_it_is() -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.js", "*.css", "*.html"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    missing = []
+    for name in tracked:
+        path = ROOT / name
+        if not path.exists():
+            continue
+        text = path.read_text()
+        if name.endswith(".py"):
+            body = text.split("\n", 1)[1] if text.startswith("#!") else text
+            ok = body.lstrip().startswith('"""') and len(body.split('"""')[1].strip()) > 10
+        else:
+            lines = [line for line in text.splitlines()[:3] if line.strip()]
+            ok = any(line.lstrip().startswith(("//", "/*", "<!--")) for line in lines)
+        if not ok:
+            missing.append(name)
+    assert not missing, f"files without an opening sentence: {missing}"
