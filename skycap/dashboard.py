@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -72,8 +73,7 @@ class Poller:
             except (httpx.HTTPError, ValueError) as exc:
                 server.mark_down(_describe(exc))
                 continue
-            rows = listing if isinstance(listing, list) else listing.get("trajectories", [])
-            server.update(health, rows)
+            server.update(health, listing)
 
     def _get_json(self, url: str) -> Any:
         response = self._client.get(url)
@@ -109,22 +109,28 @@ def _age(seconds: float | None) -> str:
 
 
 def servers_table(servers: list[ServerState]) -> Table:
-    table = Table(title="capture servers", title_justify="left", expand=True)
-    for column in ("server", "state", "mode", "open", "calls/s", "tokens/s", "failures"):
-        table.add_column(column, justify="left" if column in ("server", "state") else "right")
+    table = Table(
+        title="capture servers",
+        title_justify="left",
+        expand=True,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("server", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for column in ("open", "calls/s", "tok/s", "fail"):
+        table.add_column(column, justify="right", no_wrap=True)
     for server in servers:
         if not server.up:
-            table.add_row(
-                server.url, Text(f"down: {server.error}", style="bold red"), "-", "-", "-", "-", "-"
-            )
+            state = Text(f"down: {server.error}", style="bold red")
+            table.add_row(server.url, state, "-", "-", "-", "-")
             continue
         health = server.health
         mode = (health.get("capture") or {}).get("mode", "?")
         failures = int(health.get("failures_total") or 0)
         table.add_row(
             server.url,
-            Text("up", style="green"),
-            mode,
+            Text(f"up, {mode} mode", style="green"),
             str(health.get("open_trajectories", "-")),
             _rate(server.calls_per_s),
             _rate(server.tokens_per_s) if mode == "tokens" else "-",
@@ -141,29 +147,20 @@ def trajectories_table(servers: list[ServerState], sort: str = DEFAULT_SORT) -> 
     label, key = SORT_KEYS[sort]
     rows = [(server, t) for server in servers if server.up for t in server.trajectories]
     rows.sort(key=lambda pair: key(pair[1]), reverse=True)
+    # A compact box so an 80-column terminal still shows whole trajectory ids.
     table = Table(
         title=f"live trajectories ({len(rows)}), sorted by {label}",
         title_justify="left",
         expand=True,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
-    columns = (
-        "id",
-        "task",
-        "step",
-        "status",
-        "age",
-        "calls",
-        "nodes",
-        "paths",
-        "unbridged",
-        "failures",
-        "last ms",
-        "finish",
-    )
-    for column in columns:
-        table.add_column(
-            column, justify="right" if column not in ("id", "task", "status", "finish") else "left"
-        )
+    table.add_column("id", no_wrap=True, min_width=19)
+    for column in ("task", "step", "status"):
+        table.add_column(column, overflow="ellipsis", no_wrap=True)
+    for column in ("age", "calls", "nodes", "paths", "unbr", "fail", "ms"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("finish", overflow="ellipsis", no_wrap=True)
     for server, t in rows:
         meta = t.get("meta") or {}
         last = t.get("last_call") or {}
