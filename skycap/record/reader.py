@@ -168,7 +168,7 @@ def _decompress_frame(data: mmap.mmap, path: Path) -> bytes:
             # Another writer left the content size out: still one frame, so stream it.
             return decompressor.decompressobj().decompress(frame)
         except zstandard.ZstdError as exc:
-            raise RecordError(f"{path}: corrupt zstd frame: {exc}") from None
+            raise RecordError(f"ZstdError: {path.name}: corrupt zstd frame: {exc}") from None
 
 
 def _frames(data: mmap.mmap, path: Path) -> list[tuple[int, int]]:
@@ -179,7 +179,7 @@ def _frames(data: mmap.mmap, path: Path) -> list[tuple[int, int]]:
         if len(data) - pos < 4:
             if _is_magic_prefix(data[pos:]):
                 raise _truncated(path, pos, data)
-            raise RecordError(f"{path}: not a zstd frame at byte {pos}")
+            raise RecordError(f"ZstdError: {path.name}: not a zstd frame at byte {pos}")
         magic = int.from_bytes(data[pos : pos + 4], "little")
         if magic & 0xFFFFFFF0 == SKIPPABLE_MAGIC:
             if len(data) - pos < 8:
@@ -189,7 +189,7 @@ def _frames(data: mmap.mmap, path: Path) -> list[tuple[int, int]]:
             end = _frame_end(data, pos, path)
             frames.append((pos, end))
         else:
-            raise RecordError(f"{path}: not a zstd frame at byte {pos}")
+            raise RecordError(f"ZstdError: {path.name}: not a zstd frame at byte {pos}")
         if end > len(data):
             raise _truncated(path, pos, data)
         pos = end
@@ -218,7 +218,7 @@ def _frame_end(data: mmap.mmap, start: int, path: Path) -> int:
         header = int.from_bytes(data[cursor : cursor + 3], "little")
         block_type = (header >> 1) & 3
         if block_type == 3:
-            raise RecordError(f"{path}: reserved zstd block type at byte {cursor}")
+            raise RecordError(f"ZstdError: {path.name}: reserved zstd block type at byte {cursor}")
         cursor += 3 + (1 if block_type == 1 else header >> 3)
         if header & 1:
             break
@@ -231,7 +231,8 @@ def _frame_end(data: mmap.mmap, start: int, path: Path) -> int:
 
 def _truncated(path: Path, start: int, data: mmap.mmap) -> RecordError:
     return RecordError(
-        f"{path}: truncated zstd frame at byte {start} (the file has {len(data)} bytes)"
+        f"ZstdError: {path.name}: truncated zstd frame at byte {start} "
+        f"(the file has {len(data)} bytes)"
     )
 
 
