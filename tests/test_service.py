@@ -249,3 +249,39 @@ def test_a_pool_spreads_over_two_processes_and_survives_one_dying(tmp_path: Path
             for process in (first, second):
                 process.terminate()
                 process.wait(timeout=30)
+
+
+def test_a_record_missing_a_listed_sidecar_is_never_rewritten(
+    engine: ScriptedEngine, qwen3_dir: Path, tmp_path: Path
+):
+    options = dict(
+        mode="tokens",
+        tokenizer=str(qwen3_dir),
+        renderer_name="qwen3",
+        renderer_pool_size=1,
+        record_dir=str(tmp_path),
+    )
+    service = CaptureService(engine.url, **options)
+    url = service.start()
+    try:
+
+        async def open_one() -> str:
+            async with CapturePool([url]) as pool:
+                trajectory = await pool.create()
+                await run_harness(trajectory.base_url, trajectory.api_key, 1)
+                return trajectory.id
+
+        trajectory_id = asyncio.run(open_one())
+    finally:
+        service.stop()
+    (tmp_path / f"{trajectory_id}.tokens.zst").unlink()
+    before = document_path(tmp_path, trajectory_id).read_bytes()
+    later = CaptureService(engine.url, **options)
+    url = later.start()
+    try:
+        response = httpx.post(f"{url}/trajectories/{trajectory_id}/finish", json={})
+    finally:
+        later.stop()
+    assert response.status_code == 500
+    assert "lists tokens but the file is not in" in response.json()["error"]
+    assert document_path(tmp_path, trajectory_id).read_bytes() == before

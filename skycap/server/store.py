@@ -318,7 +318,7 @@ class TrajectoryStore:
             return Answer.error(404, UNKNOWN)
         assert self.record_dir is not None
         try:
-            return await asyncio.to_thread(load_trajectory, self.record_dir, trajectory_id)
+            return await asyncio.to_thread(_load_complete, self.record_dir, trajectory_id)
         except (RecordError, OSError) as exc:
             logger.warning("reading the record of %s failed: %s", trajectory_id, exc)
             return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
@@ -471,6 +471,23 @@ def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | No
             "record": record,
         }
     )
+
+
+def _load_complete(record_dir: Path, trajectory_id: str) -> Trajectory:
+    """Load a record to end or rewrite it, refusing one whose listed sidecars are gone:
+    rewriting it would drop the tokens, experts or masks it still lists."""
+    document = read_document(document_path(record_dir, trajectory_id))
+    missing = [
+        kind
+        for kind, entry in document["sidecars"].items()
+        if not (record_dir / str(entry.get("file"))).is_file()
+    ]
+    if missing:
+        raise RecordError(
+            f"its manifest lists {', '.join(missing)} but the file is not in {record_dir}; "
+            "restore it before finishing this trajectory"
+        )
+    return load_trajectory(record_dir, trajectory_id)
 
 
 def _stored_document(path: Path) -> bytes:
