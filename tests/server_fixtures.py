@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -153,3 +159,83 @@ class Control:
 
 def record_files(record_dir: Path) -> list[str]:
     return sorted(p.name for p in record_dir.iterdir() if p.name.endswith(".json.zst"))
+
+
+# -- the HTTPS_PROXY listener (tests/test_proxy_*.py) ------------------------------------------
+
+# A hard-coded harness: the unchanged SDK with no base URL (https://api.openai.com/v1), so
+# only the environment (HTTPS_PROXY, SSL_CERT_FILE, NO_PROXY) brings it to skycap. Turn 1 is
+# non-streamed, turn 2 streamed; it prints what it saw as one JSON line.
+HARNESS = r"""
+import json, openai
+client = openai.OpenAI(api_key="sk-harness-own-key", max_retries=0, timeout=30)
+tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "go"}]
+reply = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+message = reply.choices[0].message.model_dump(exclude_none=True)
+messages.append(message)
+for call in message.get("tool_calls") or ():
+    messages.append({"role": "tool", "tool_call_id": call["id"], "content": "found"})
+if not message.get("tool_calls"):
+    messages.append({"role": "user", "content": "and then?"})
+chunks = list(client.chat.completions.create(model="policy", messages=messages, stream=True))
+streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+models = [m.id for m in client.models.list()]
+print(json.dumps({"first": message, "streamed": streamed, "models": models}))
+"""
+
+
+@pytest.fixture(scope="session")
+def proxy_confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One CA per test session, never the user's own config dir."""
+    return tmp_path_factory.mktemp("skycap-confdir")
+
+
+def harness_env(created: dict[str, Any]) -> dict[str, str]:
+    """This process's environment with the `env` a create returned, and nothing else proxied."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.lower().endswith("_proxy") and not key.startswith("OPENAI_")
+    }
+    env.update(created["env"])
+    return env
+
+
+def run_harness(created: dict[str, Any], script: str = HARNESS) -> dict[str, Any]:
+    """Run `script` in a subprocess configured only by the create's `env`; its JSON output."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=harness_env(created),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def raw_connect(port: int, authorization: str | None) -> tuple[str, dict[str, str], bytes]:
+    """Send one CONNECT to the proxy listener; (status line, headers, body) of its answer."""
+    lines = ["CONNECT api.openai.com:443 HTTP/1.1", "Host: api.openai.com:443"]
+    if authorization is not None:
+        lines.append(f"Proxy-Authorization: {authorization}")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"the proxy closed the connection after {data!r}"
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        status, *fields = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
+        while len(body) < int(headers.get("content-length", "0")):
+            chunk = sock.recv(65536)
+            assert chunk, "the proxy closed the connection mid-body"
+            body += chunk
+    return status, headers, body
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()

@@ -41,9 +41,15 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("skycap.server")
 
     def ready(url: str) -> None:
-        log.warning(
-            "skycap %s mode listening on %s (upstream %s)", options.mode, url, options.upstream_url
-        )
+        upstream = options.upstream_url or "each call's original host"
+        log.warning("skycap %s mode listening on %s (upstream %s)", options.mode, url, upstream)
+        if addon.proxy is not None:
+            log.warning(
+                "HTTPS_PROXY listener on %s:%s (CA bundle %s)",
+                options.host,
+                addon.proxy.port,
+                addon.proxy.ca.bundle,
+            )
         if options.binds_beyond_loopback:
             log.warning(
                 "listening on %s: the control routes are unauthenticated and reachable from "

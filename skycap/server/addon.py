@@ -3,8 +3,11 @@
 It stays thin (docs/architecture.md): routing, the harness gating of http.md §3, body
 size (D-10) and retry de-duplication (http.md §5) happen here; lifecycle lives in
 `store`, control answers in `control`, forwarding in `textmode`, token turns in the
-token backend. Built either from a ServerOptions (`skycap serve`, CaptureService) or,
-under `mitmdump -s addons/skycap.py`, from the `skycap_*` options (D-20).
+token backend, proxy credentials and pass-through in `proxy`. A call captured through
+the proxy listener (`--proxy-port`) takes the same path as a `/t/{id}/v1` call from the
+gate on; only where the trajectory id comes from differs (D-24). Built either from a
+ServerOptions (`skycap serve`, CaptureService) or, under `mitmdump -s addons/skycap.py`,
+from the `skycap_*` options (D-20).
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import orjson
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy.proxy.mode_specs import RegularMode
 
+from skycap.certs import ensure_ca
 from skycap.server import options as options_module
-from skycap.server.conns import Connections
+from skycap.server.conns import Connections, listen_address
 from skycap.server.control import Control
 from skycap.server.drain import CONTROL_PATH, HARNESS_PATH, DrainSink, too_large_message
 from skycap.server.keys import authorized
 from skycap.server.options import ServerOptions
+from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.retry import Conflict, Entry, Replay, call_key
 from skycap.server.store import UNKNOWN, Answer, Live, TrajectoryStore
 from skycap.server.textmode import TextCall, TextMode
@@ -37,10 +43,12 @@ access_log = logging.getLogger("skycap.access")
 _JSON = ((b"content-type", b"application/json"),)
 ROUTE = "skycap.route"
 CALL = "skycap.call"
+PROXIED = "skycap.proxied"
 
 # Route kinds.
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
+PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 HARNESS_KINDS = frozenset({CHAT, MODELS, HARNESS_MISS})
 
 
@@ -65,6 +73,20 @@ def route(method: str, path: str) -> tuple[str, str | None]:
         if tail == "finish" and method == "POST":
             return FINISH, trajectory_id
     return MISS, None
+
+
+def proxy_route(method: str, path: str) -> str:
+    """The kind of a request through the proxy listener (D-24): captured, or passed through.
+
+    Matching is by suffix so deployment paths (`/openai/deployments/x/chat/completions`)
+    are captured too.
+    """
+    path = path.partition("?")[0]
+    if method == "POST" and path.endswith("/chat/completions"):
+        return CHAT
+    if method == "GET" and path.endswith("/models"):
+        return MODELS
+    return PASS
 
 
 def _respond(flow: http.HTTPFlow, status: int, body: bytes, headers: Any = _JSON) -> None:
@@ -103,6 +125,7 @@ class SkycapAddon:
         self.backend: Any = None
         self.running_loop: asyncio.AbstractEventLoop | None = None
         self.conns = Connections()
+        self.proxy: Proxy | None = None
         if options is not None:
             self._build(options)
 
@@ -118,7 +141,9 @@ class SkycapAddon:
         else:
             capture = {"mode": "text"}
         self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
-        self.control = Control(self.store)
+        if options.proxy_port is not None:
+            self.proxy = Proxy(self.store, ensure_ca(options.confdir))
+        self.control = Control(self.store, self.proxy)
         self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
         self.sink = DrainSink(options.max_body_size)
 
@@ -145,7 +170,12 @@ class SkycapAddon:
         if self.store is None:
             raise exceptions.OptionsError("skycap: set skycap_upstream_url (see addons/skycap.py)")
         self.running_loop = asyncio.get_running_loop()
-        self.conns.attach(ctx.master.addons.get("proxyserver"))
+        proxyserver = ctx.master.addons.get("proxyserver")
+        self.conns.attach(proxyserver)
+        if self.proxy is not None:
+            # A proxy listener that failed to bind is reported by whoever started mitmproxy.
+            with contextlib.suppress(LookupError):
+                self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
         self.store.start()
 
@@ -157,12 +187,43 @@ class SkycapAddon:
             await self.backend.close()
         await self.sink.close()
 
+    # -- proxy listener --------------------------------------------------------------------------
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        """CONNECT names the tunnel's trajectory (D-24); mitmproxy refuses it in reverse mode."""
+        if self.proxy is not None and self.proxy.serves(flow):
+            self.proxy.connect(flow)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        if self.proxy is not None:
+            self.proxy.forget(client.id)
+
+    def _proxy_route(self, flow: http.HTTPFlow) -> tuple[str, str | None]:
+        """Route a request on the proxy listener; a refusal or a pass-through is settled here."""
+        assert self.proxy is not None
+        try:
+            trajectory_id = self.proxy.trajectory_of(flow)
+        except ProxyAuthRequired as refused:
+            flow.response = refused.response()
+            return ANSWERED, None
+        kind = proxy_route(flow.request.method, flow.request.path)
+        if kind == PASS:
+            self.proxy.pass_through(flow, trajectory_id)
+            return (ANSWERED if flow.response is not None else PASS), trajectory_id
+        flow.metadata[PROXIED] = True
+        return kind, trajectory_id
+
     # -- request hooks -------------------------------------------------------------------------
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
-        kind, trajectory_id = route(flow.request.method, flow.request.path)
+        if self.proxy is not None and self.proxy.serves(flow):
+            kind, trajectory_id = self._proxy_route(flow)
+        else:
+            kind, trajectory_id = route(flow.request.method, flow.request.path)
         flow.metadata[ROUTE] = (kind, trajectory_id)
+        if kind == PASS or kind == ANSWERED:
+            return
         length = flow.request.headers.get("content-length")
         assert self.options is not None
         if length and length.isdigit() and int(length) > self.options.max_body_size:
@@ -176,7 +237,7 @@ class SkycapAddon:
         kind, trajectory_id = flow.metadata.get(ROUTE) or route(
             flow.request.method, flow.request.path
         )
-        if kind == OVERSIZE:
+        if kind == OVERSIZE or kind == PASS or kind == ANSWERED:
             return
         try:
             await self._dispatch(flow, kind, trajectory_id)
@@ -237,8 +298,12 @@ class SkycapAddon:
 
     # -- harness routes (http.md §3) ---------------------------------------------------------
 
-    def _gate(self, flow: http.HTTPFlow, trajectory_id: str) -> Live | None:
-        """Steps 1-3 of http.md §3; answers the flow and returns None when a step fails."""
+    def _gate(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+        """Steps 1-3 of http.md §3; answers the flow and returns None when a step fails.
+
+        Through the proxy, step 3 already happened on the proxy credentials (D-24): the
+        harness's own `Authorization` is whatever its SDK was configured with.
+        """
         assert self.store is not None and self.options is not None
         live = self.store.get(trajectory_id) if is_trajectory_id(trajectory_id) else None
         if live is None:
@@ -251,8 +316,10 @@ class SkycapAddon:
             status = live.trajectory.status
             _harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed")
             return None
-        if self.options.require_api_key and not authorized(
-            _header_bytes(flow, b"authorization"), live.api_key
+        if (
+            self.options.require_api_key
+            and not proxied
+            and not authorized(_header_bytes(flow, b"authorization"), live.api_key)
         ):
             _harness_error(flow, 401, "this trajectory's api_key is required", "invalid_api_key")
             return None
@@ -262,13 +329,21 @@ class SkycapAddon:
         self, flow: http.HTTPFlow, kind: str, trajectory_id: str | None, raw: bytes
     ) -> None:
         assert trajectory_id is not None
-        live = self._gate(flow, trajectory_id)
+        proxied = flow.metadata.get(PROXIED, False)
+        live = self._gate(flow, trajectory_id, proxied)
         if live is None:
+            return
+        if self.text is not None and not self.text.has_upstream and not proxied:
+            message = (
+                "no --upstream-url configured: this server forwards only calls made "
+                "through its proxy port (D-8)"
+            )
+            _harness_error(flow, 502, message)
             return
         if kind == MODELS:
             live.touch()
             if self.text is not None:
-                self.text.retarget(flow, b"/models")
+                self.text.forward(flow, b"/models")
             else:
                 reply = await self.backend.models()
                 _respond(flow, reply.status, reply.body, reply.headers)
@@ -352,6 +427,8 @@ class SkycapAddon:
         if call is not None:
             with _logged(flow, "responseheaders"):
                 call.on_response_headers(flow.response)
+        elif flow.metadata.get(ROUTE, (None,))[0] == PASS:
+            flow.response.stream = True  # passed through untouched, never buffered
 
     def response(self, flow: http.HTTPFlow) -> None:
         call: TextCall | None = flow.metadata.get(CALL)
@@ -381,6 +458,8 @@ class SkycapAddon:
         elapsed = (time.time() - flow.request.timestamp_start) * 1000.0
         outcome = str(status) if status is not None else f"error ({flow.error})"
         path = f"/t/{trajectory_id}/v1/{'chat/completions' if kind == CHAT else 'models'}"
+        if flow.metadata.get(PROXIED):
+            path = f"{path} (through the proxy)"
         access_log.info("%s %s %s %.1f ms", flow.request.method, path, outcome, elapsed)
 
 

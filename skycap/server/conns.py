@@ -8,6 +8,8 @@ here, in one place, on top of the proxyserver's connection handlers:
 * drop a harness connection (a sealed trajectory's call, http.md §6);
 * abort a hung upstream call (`--upstream-timeout`, D-11); killing a flow in transit is
   not supported by mitmproxy (its issue 4711).
+
+It also finds the address each listener (reverse or proxy mode) actually bound.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from typing import Any
 from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.net.http import http1
+
+
+def listen_address(proxyserver: Any, mode: type) -> tuple[str, int]:
+    """(host, port) the listener of proxy mode class `mode` bound; LookupError if none did."""
+    for instance in proxyserver.servers:
+        if isinstance(instance.mode, mode) and instance.listen_addrs:
+            host, port = instance.listen_addrs[0][:2]
+            return host, port
+    raise LookupError(f"no {mode.__name__} listener is running")
 
 
 class Connections:
@@ -43,8 +54,8 @@ class Connections:
         client connection is then marked unwritable so that page is never sent, and it is
         closed (`Connection: close`). Returns False when the response could not be written.
         """
-        if flow.request.is_http2 or flow.request.is_http3:
-            return False
+        if flow.request.is_http2 or flow.request.is_http3 or flow.client_conn.tls_established:
+            return False  # raw bytes would bypass the TLS layer of a proxied HTTPS call
         if not flow.client_conn.state & ConnectionState.CAN_WRITE:
             return False
         transport = self._transport(flow, flow.client_conn)

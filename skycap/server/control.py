@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skycap.server.proxy import Proxy
 from skycap.server.store import Answer, TrajectoryStore
 from skycap.wire import BodyError, parse_json_body
 
@@ -24,11 +25,15 @@ def _object_body(raw: bytes) -> dict[str, Any] | Answer:
 class Control:
     """The control routes over one store (they are never keyed, http.md §2)."""
 
-    def __init__(self, store: TrajectoryStore) -> None:
+    def __init__(self, store: TrajectoryStore, proxy: Proxy | None = None) -> None:
         self.store = store
+        self.proxy = proxy
 
     def health(self) -> Answer:
-        return Answer.json(200, self.store.health())
+        health = self.store.health()
+        if self.proxy is not None:
+            health["proxy"] = self.proxy.health()
+        return Answer.json(200, health)
 
     def listing(self) -> Answer:
         return Answer.json(200, self.store.listing())
@@ -44,14 +49,14 @@ class Control:
         elif not isinstance(meta, dict):
             return Answer.error(400, "`meta` must be an object")
         live = self.store.create(meta)
-        return Answer.json(
-            200,
-            {
-                "id": live.id,
-                "base_url": f"{origin}/t/{live.id}/v1",
-                "api_key": live.api_key.decode("ascii"),
-            },
-        )
+        created = {
+            "id": live.id,
+            "base_url": f"{origin}/t/{live.id}/v1",
+            "api_key": live.api_key.decode("ascii"),
+        }
+        if self.proxy is not None:
+            created.update(self.proxy.env(live, origin))
+        return Answer.json(200, created)
 
     async def finish(self, trajectory_id: str, raw: bytes) -> Answer:
         body = _object_body(raw)

@@ -1,19 +1,30 @@
-"""Per-trajectory API keys and the constant-time `Authorization` check of http.md §4."""
+"""Per-trajectory API keys, the constant-time `Authorization` check of http.md §4, proxy Basic."""
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hmac
 import secrets
 
 KEY_PREFIX = "sk-skycap-"
 _BEARER = b"bearer"
+_BASIC = b"basic"
 _WHITESPACE = b" \t\r\n\x0b\x0c"
 
 
 def new_api_key() -> str:
     """`sk-skycap-` + URL-safe base64 of 24 random bytes (32 characters, no padding)."""
     return KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(24)).decode("ascii")
+
+
+def _split_scheme(header: bytes) -> tuple[bytes, bytes] | None:
+    """(scheme lowercased, credentials stripped) of an auth header value, None without both."""
+    value = header.strip(_WHITESPACE)
+    cut = next((i for i, byte in enumerate(value) if byte in _WHITESPACE), -1)
+    if cut < 0:
+        return None
+    return value[:cut].lower(), value[cut:].strip(_WHITESPACE)
 
 
 def authorized(header: bytes | None, key: bytes) -> bool:
@@ -23,10 +34,24 @@ def authorized(header: bytes | None, key: bytes) -> bool:
     a non-UTF-8 or non-ASCII value is simply a mismatch, never an error. The scheme is
     matched case-insensitively and any whitespace may separate it from the key.
     """
-    if not header:
+    parts = _split_scheme(header) if header else None
+    if parts is None or parts[0] != _BEARER:
         return False
-    value = header.strip(_WHITESPACE)
-    cut = next((i for i, byte in enumerate(value) if byte in _WHITESPACE), -1)
-    if cut < 0 or value[:cut].lower() != _BEARER:
-        return False
-    return hmac.compare_digest(value[cut:].strip(_WHITESPACE), key)
+    return hmac.compare_digest(parts[1], key)
+
+
+def basic_credentials(header: bytes) -> tuple[bytes, bytes] | None:
+    """(user, password) of a `Basic` header value (`Proxy-Authorization`), None if malformed.
+
+    Both stay bytes: the caller compares the password in constant time with
+    `hmac.compare_digest`, and a value that is not text is a mismatch, never an error.
+    """
+    parts = _split_scheme(header)
+    if parts is None or parts[0] != _BASIC:
+        return None
+    try:
+        decoded = base64.b64decode(parts[1], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    user, colon, password = decoded.partition(b":")
+    return (user, password) if colon else None

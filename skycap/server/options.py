@@ -28,6 +28,8 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
 | `--max-body-size BYTES` | `max_body_size` (D-10) | `skycap_max_body_size` |
 | `--upstream-timeout SECONDS` | `upstream_timeout` (D-11) | `skycap_upstream_timeout` |
+| `--proxy-port PORT` | `proxy_port` (default None: off) | mitmproxy's `--mode regular@PORT` |
+| `--confdir DIR` | `confdir` (the proxy's CA) | mitmproxy's `--set confdir=DIR` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
@@ -51,6 +53,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from skycap.certs import default_confdir
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
 
 MODES = ("text", "tokens")
@@ -94,6 +97,8 @@ class ServerOptions:
     max_body_size: int = GIB
     upstream_timeout: float | None = None
     sweep_interval: float = 60.0
+    proxy_port: int | None = None
+    confdir: str | Path | None = None
     rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,9 @@ class ServerOptions:
         self._check_mappings()
         if self.record_dir is not None:
             object.__setattr__(self, "record_dir", _record_dir(self.record_dir))
+        if self.confdir is not None or self.proxy_port is not None:
+            confdir = Path(self.confdir).expanduser().absolute() if self.confdir else None
+            object.__setattr__(self, "confdir", confdir or default_confdir())
         if self.keep_unrecorded is False and self.record_dir is not None:
             raise ValueError(
                 f"{_name('keep_unrecorded')}=False is for a server with no record_dir; "
@@ -137,9 +145,12 @@ class ServerOptions:
 
     def _check_upstream(self) -> None:
         if not self.upstream_url:
+            if self.mode == "text" and self.proxy_port is not None:
+                return  # D-8: calls through the proxy go to their original host
             raise ValueError(
                 f"{_name('upstream_url')} is required: the model server's OpenAI base URL "
-                "including /v1 (text mode) or the engine root (token mode)"
+                "including /v1 (text mode) or the engine root (token mode); text mode with "
+                f"{_name('proxy_port')} may leave it out"
             )
         parts = urlsplit(self.upstream_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -160,6 +171,13 @@ class ServerOptions:
         _integer(self.max_body_size, "max_body_size", low=1)
         _integer(self.renderer_pool_size, "renderer_pool_size", low=1)
         _integer(self.port, "port", low=0, high=65535)
+        if self.proxy_port is not None:
+            _integer(self.proxy_port, "proxy_port", low=0, high=65535)
+            if self.proxy_port == self.port != 0:
+                raise ValueError(
+                    f"{_name('proxy_port')} must differ from {_name('port')}, got {self.port} "
+                    "for both"
+                )
         if self.max_model_len is not None:
             _integer(self.max_model_len, "max_model_len", low=1)
 
@@ -172,6 +190,7 @@ class ServerOptions:
     @property
     def upstream_origin(self) -> tuple[str, str, int]:
         """(scheme, host, port) of `upstream_url`, where harness calls are re-targeted (D-8)."""
+        assert self.upstream_url, "no upstream_url (text mode behind --proxy-port only)"
         parts = urlsplit(self.upstream_url)
         assert parts.hostname is not None
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -299,7 +318,7 @@ FLAGS: tuple[Flag, ...] = (
         "--upstream-url",
         "upstream_url",
         "text mode: the model server's OpenAI base URL including /v1; token mode: the "
-        "engine root (required)",
+        "engine root (required, except in text mode with --proxy-port)",
         metavar="URL",
     ),
     Flag(
@@ -419,6 +438,23 @@ FLAGS: tuple[Flag, ...] = (
         convert=_number(float, "--upstream-timeout"),
         metavar="SECONDS",
     ),
+    Flag(
+        "--proxy-port",
+        "proxy_port",
+        "also listen as an HTTPS_PROXY on this port (0 lets the OS choose); a trajectory is "
+        "named by the proxy credentials that POST /trajectories returns",
+        convert=_number(int, "--proxy-port"),
+        metavar="PORT",
+        addon=False,
+    ),
+    Flag(
+        "--confdir",
+        "confdir",
+        "directory of the proxy's CA and CA bundle (default $XDG_CONFIG_HOME/skycap or "
+        "~/.config/skycap)",
+        metavar="DIR",
+        addon=False,
+    ),
 )
 
 _FLAG_OF = {f.keyword: f.flag for f in FLAGS}
@@ -487,6 +523,24 @@ def add_addon_options(loader: Any) -> None:
 
 
 def from_addon_options(opts: Any) -> ServerOptions:
-    """Build options from a mitmproxy options object carrying the `skycap_*` options."""
+    """Build options from a mitmproxy options object carrying the `skycap_*` options.
+
+    Under mitmdump the proxy listener and its CA are mitmproxy's own options: a
+    `--mode regular@PORT` turns the proxy on, and `confdir` holds the CA.
+    """
     values = {flag.dest: getattr(opts, ADDON_PREFIX + flag.dest) for flag in FLAGS if flag.addon}
-    return from_values(values)
+    return from_values(values, **_mitmproxy_proxy(opts))
+
+
+def _mitmproxy_proxy(opts: Any) -> dict[str, Any]:
+    """`proxy_port` and `confdir` from mitmproxy's `mode` and `confdir` options, if any."""
+    from mitmproxy.proxy.mode_specs import ProxyMode, RegularMode
+
+    if "mode" not in opts:
+        return {}
+    for spec in opts.mode:
+        mode = ProxyMode.parse(spec)
+        if isinstance(mode, RegularMode):
+            port = mode.listen_port(opts.listen_port if "listen_port" in opts else None)
+            return {"proxy_port": port, "confdir": opts.confdir}
+    return {}

@@ -3,20 +3,25 @@
 `serve()` is what `skycap serve` runs and what the embedded CaptureService runs on its
 own thread's loop. It binds `options.host:options.port`, reports the bound URL through
 `ready`, serves until `stop_event` is set, then closes the listening socket and lets the
-addon write every trajectory still in memory (mitmproxy's `done` hook).
+addon write every trajectory still in memory (mitmproxy's `done` hook). With
+`options.proxy_port` it also listens as a regular (HTTPS_PROXY) proxy on that port, in the
+same process, signing with the CA in `options.confdir` (the addon reports the bound port).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Sequence
 
 from mitmproxy import options as mitm_options
 from mitmproxy.addons import core, dns_resolver, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
+from mitmproxy.proxy.mode_specs import ReverseMode
 
 from skycap.server.addon import SkycapAddon
+from skycap.server.conns import listen_address
 from skycap.server.options import ServerOptions
 
 logger = logging.getLogger("skycap.server")
@@ -24,6 +29,9 @@ logger = logging.getLogger("skycap.server")
 # mitmproxy logs every connection at INFO, and httpcore builds DEBUG records per request
 # (the cost is measured in docs/notes): keep them at WARNING unless skycap itself is at DEBUG.
 CHATTY_LOGGERS = ("mitmproxy", "httpx", "httpcore", "hpack")
+# The reverse listener's target is never contacted (D-8: the addon answers or re-targets
+# every flow); without an upstream URL (text mode behind the proxy) it names the discard port.
+NO_TARGET = "http://127.0.0.1:9"
 
 
 def quiet_third_party_loggers() -> None:
@@ -75,13 +83,13 @@ async def serve(
     quiet_third_party_loggers()
     loop = asyncio.get_running_loop()
     opts = mitm_options.Options()
+    if options.proxy_port is not None:
+        opts.update(confdir=str(options.confdir))  # before tlsconfig first reads it
     master = Master(opts, event_loop=loop)
     signal = _Running()
     master.addons.add(*lean_addons(), *(addons or [SkycapAddon(options)]), signal)
-    scheme, host, port = options.upstream_origin
-    target = f"[{host}]" if ":" in host else host
     opts.update(
-        mode=[f"reverse:{scheme}://{target}:{port}"],
+        mode=_modes(options),
         listen_host=options.host,
         listen_port=options.port,
         connection_strategy="lazy",
@@ -96,10 +104,15 @@ async def serve(
         raise RuntimeError("mitmproxy stopped before it was running")
     server = master.addons.get("proxyserver")
     try:
-        failures = [i.last_exception for i in server.servers if i.last_exception]
-        if failures:
-            raise OSError(f"cannot listen on {options.host}:{options.port}: {failures[0]}")
-        bound_host, bound_port = server.listen_addrs()[0][:2]
+        for instance in server.servers:
+            if instance.last_exception is not None:
+                is_proxy = not isinstance(instance.mode, ReverseMode)
+                port = options.proxy_port if is_proxy else options.port
+                what = "the proxy listener (--proxy-port)" if is_proxy else "the server"
+                raise OSError(
+                    f"{what} cannot listen on {options.host}:{port}: {instance.last_exception}"
+                )
+        bound_host, bound_port = listen_address(server, ReverseMode)
         if ready is not None:
             ready(_url(bound_host, bound_port))
         await (stop_event or asyncio.Event()).wait()
@@ -108,6 +121,33 @@ async def serve(
         master.shutdown()
         await run
         await _close_connections(server)
+
+
+def _modes(options: ServerOptions) -> list[str]:
+    """The reverse listener (control and `/t/{id}` routes), plus the proxy listener if asked."""
+    target = NO_TARGET
+    if options.upstream_url:
+        scheme, host, port = options.upstream_origin
+        target = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+    modes = [f"reverse:{target}"]
+    if options.proxy_port is not None:
+        port = options.proxy_port
+        if port == 0 and options.port == 0:
+            port = _free_port(options.host)
+        modes.append(f"regular@{options.host}:{port}")
+    return modes
+
+
+def _free_port(host: str) -> int:
+    """A port the OS hands out now, for the proxy when both listeners ask for port 0.
+
+    mitmproxy refuses two modes on one (host, port) spec, `0` included, so one of them
+    must name its port; the window until mitmproxy binds it is a few milliseconds.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 async def _close_connections(server: proxyserver.Proxyserver, grace: float = 5.0) -> None:

@@ -1,7 +1,8 @@
 """Text mode (http.md §7): forward harness calls through mitmproxy itself and tap the replies.
 
 A chat call is re-targeted to the upstream in the `request` hook with the raw body
-unchanged. A non-streamed reply is committed in the `response` hook, before mitmproxy
+unchanged; a call through the proxy listener with no `--upstream-url` keeps its original
+host (D-8). A non-streamed reply is committed in the `response` hook, before mitmproxy
 sends it on. A streamed reply is relayed chunk by chunk through a `flow.response.stream`
 callable that feeds the SSE assembler and holds chunks back from the first one carrying a
 `finish_reason`; at `[DONE]` or the end of the body it commits, then releases them, so a
@@ -32,8 +33,16 @@ logger = logging.getLogger("skycap.server")
 
 # http.md §7.1: headers the harness sent that never reach the model server as they were.
 _DROPPED = frozenset(
-    {b"authorization", b"host", b"content-length", b"transfer-encoding", b"connection"}
+    {
+        b"authorization",
+        b"proxy-authorization",
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+    }
 )
+_DROPPED_KEEP_HOST = _DROPPED - {b"host"}
 _EVENT_STREAM = "text/event-stream"
 
 
@@ -43,37 +52,47 @@ class TextMode:
     def __init__(self, options: ServerOptions, store: TrajectoryStore, conns: Connections) -> None:
         self.store = store
         self.conns = conns
-        scheme, host, port = options.upstream_origin
-        self._scheme = scheme.encode("ascii")
-        self._host = host
-        self._port = port
-        default_port = 443 if scheme == "https" else 80
-        authority = host if ":" not in host else f"[{host}]"
-        self._host_header = (authority if port == default_port else f"{authority}:{port}").encode()
-        self._base = options.upstream_path.encode()
-        self._added: tuple[tuple[bytes, bytes], ...] = ((b"host", self._host_header),)
+        self._auth: tuple[tuple[bytes, bytes], ...] = ()
         if options.api_key:
-            self._added += ((b"authorization", b"Bearer " + options.api_key.encode()),)
+            self._auth = ((b"authorization", b"Bearer " + options.api_key.encode()),)
+        self.has_upstream = bool(options.upstream_url)
+        if self.has_upstream:
+            scheme, host, port = options.upstream_origin
+            self._scheme = scheme.encode("ascii")
+            self._host = host
+            self._port = port
+            default_port = 443 if scheme == "https" else 80
+            authority = host if ":" not in host else f"[{host}]"
+            host_header = authority if port == default_port else f"{authority}:{port}"
+            self._base = options.upstream_path.encode()
+            self._added = ((b"host", host_header.encode()), *self._auth)
         self.timeout = options.upstream_timeout
 
-    def retarget(self, flow: http.HTTPFlow, suffix: bytes) -> None:
-        """Point the flow at `{upstream base}{suffix}` with the header rules of http.md §7.1."""
-        request = flow.request
-        data = request.data
-        data.scheme = self._scheme
-        data.host = self._host
-        data.port = self._port
-        data.path = self._base + suffix
-        kept = tuple(f for f in data.headers.fields if f[0].lower() not in _DROPPED)
+    def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
+        """Send the flow on with the header rules of http.md §7.1.
+
+        With an upstream URL, to `{upstream base}{suffix}`; without one (a call through
+        the proxy listener, D-8), to the host, port and path the harness asked for.
+        """
+        data = flow.request.data
+        if self.has_upstream:
+            data.scheme = self._scheme
+            data.host = self._host
+            data.port = self._port
+            data.path = self._base + suffix
+            dropped, added = _DROPPED, self._added
+        else:
+            dropped, added = _DROPPED_KEEP_HOST, self._auth
+        kept = tuple(f for f in data.headers.fields if f[0].lower() not in dropped)
         body = data.content
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
-        data.headers.fields = kept + self._added + length
+        data.headers.fields = kept + added + length
 
     def start_chat(
         self, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
     ) -> TextCall:
         call = TextCall(self, flow, live, body, entry)
-        self.retarget(flow, b"/chat/completions")
+        self.forward(flow, b"/chat/completions")
         return call
 
 
