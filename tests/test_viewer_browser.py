@@ -1,10 +1,13 @@
 """The viewer page in real headless Chromium (Debian's /usr/bin/chromium driven by playwright).
 
-Also saves screenshots of the main views to docs/images/ for the README.
+With SKYCAP_SCREENSHOTS=1 it also refreshes the screenshots of the main views in
+docs/images/ for the README; otherwise they go to a temporary folder, so a test run never
+changes the repository.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +29,7 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+DOCS_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 TIMEOUT_MS = 10_000
 
 pytestmark = pytest.mark.skipif(
@@ -46,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ViewerServer]:
 
 
 @pytest.fixture(scope="module")
-def page(server: ViewerServer):
+def page(server: ViewerServer, images: Path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -57,13 +60,20 @@ def page(server: ViewerServer):
         errors: list[str] = []
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.errors = errors
+        page.images = images
         yield page
         browser.close()
 
 
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.environ.get("SKYCAP_SCREENSHOTS") == "1":
+        return DOCS_IMAGES
+    return tmp_path_factory.mktemp("screenshots")
+
+
 def shot(page, name: str) -> None:
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(IMAGES / f"viewer-{name}.png"))
+    page.screenshot(path=str(page.images / f"viewer-{name}.png"))
 
 
 def query(page) -> dict[str, str]:
