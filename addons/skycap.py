@@ -16,6 +16,11 @@ skycap_mode=tokens`, `--set skycap_ttl=600`, `--set skycap_path_rule=best=pkg.mo
 see skycap/server/options.py for the table. Do not set `body_size_limit` (it answers
 before skycap can, D-10); use `skycap_max_body_size`. `skycap serve` runs the same
 addon with a leaner mitmproxy and is faster.
+
+HTTPS_PROXY capture (docs/proxy.md) adds a forward-proxy listener with mitmproxy's own
+`--mode regular@8081` beside the reverse mode (and `--set confdir=DIR` for skycap's CA);
+in text mode `skycap_upstream_url` is then optional: calls through the proxy go to their
+original host.
 """
 
 import os

@@ -207,6 +207,10 @@ class Trajectory:
     base_url: str
     api_key: str = field(repr=False)
     exposed_base_url: str | None = None
+    #: Proxy mode (`--proxy-port`): the credentialed proxy URL, and the environment to add to
+    #: a harness subprocess so its calls to any API host are captured (docs/proxy.md).
+    proxy_url: str | None = field(default=None, repr=False)
+    env: dict[str, str] | None = field(default=None, repr=False)
     paths: str = "all"
     result: FinishResult | None = None
     finishing: dict[str, Any] | None = None
@@ -373,6 +377,8 @@ class CapturePool:
                 base_url=_field(reply, "base_url", str),
                 api_key=_field(reply, "api_key", str),
                 exposed_base_url=_field(reply, "exposed_base_url", str, optional=True),
+                proxy_url=_field(reply, "proxy_url", str, optional=True),
+                env=_field(reply, "env", dict, optional=True),
                 paths=paths,
             )
         except ValueError as exc:

@@ -61,9 +61,13 @@ class CaptureService:
                     f"per process, at {CaptureService._running.url}); stop() it first"
                 )
             CaptureService._running = self
-        from skycap.server.addon import SkycapAddon
+        try:
+            from skycap.server.addon import SkycapAddon
 
-        self.server = SkycapAddon(self.options)
+            self.server = SkycapAddon(self.options)
+        except BaseException:  # e.g. a tokenizer that cannot load: free the process slot
+            self._release_slot()
+            raise
         self._loop = asyncio.new_event_loop()
         self._stop_event = asyncio.Event()
         ready = threading.Event()
@@ -105,9 +109,23 @@ class CaptureService:
         finally:
             self._loop.close()
             ready.set()
-            with CaptureService._running_lock:
-                if CaptureService._running is self:
-                    CaptureService._running = None
+            self._release_slot()
+
+    def _release_slot(self) -> None:
+        with CaptureService._running_lock:
+            if CaptureService._running is self:
+                CaptureService._running = None
+
+    @property
+    def proxy_url(self) -> str | None:
+        """The HTTPS_PROXY listener (`proxy_port`), without credentials; None when it is off.
+
+        Each trajectory's own credentialed URL and harness `env` come with its create.
+        """
+        proxy = getattr(self.server, "proxy", None)
+        if proxy is None or not proxy.port:
+            return None
+        return _format_url(self.options.advertise_host, proxy.port)
 
     def stop(self, timeout: float = 120.0) -> bool:
         """Shut down gracefully (records written) and join the thread; idempotent.

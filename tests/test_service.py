@@ -285,3 +285,40 @@ def test_a_record_missing_a_listed_sidecar_is_never_rewritten(
     assert response.status_code == 500
     assert "lists tokens but the file is not in" in response.json()["error"]
     assert document_path(tmp_path, trajectory_id).read_bytes() == before
+
+
+def test_a_failed_build_frees_the_process_slot(tmp_path: Path):
+    broken = CaptureService(
+        "http://127.0.0.1:9",
+        mode="tokens",
+        tokenizer=str(tmp_path / "no-such-tokenizer"),
+        renderer_name="qwen3",
+        renderer_pool_size=1,
+    )
+    with pytest.raises(Exception, match="no-such-tokenizer"):
+        broken.start()
+    with ScriptedUpstream() as upstream:
+        service = CaptureService(upstream.base_url)
+        service.start()
+        assert service.proxy_url is None
+        service.stop()
+
+
+def test_proxy_mode_is_reachable_from_the_pool(tmp_path: Path):
+    with ScriptedUpstream() as upstream:
+        service = CaptureService(upstream.base_url, proxy_port=0, confdir=str(tmp_path / "ca"))
+        url = service.start()
+        try:
+
+            async def main():
+                async with CapturePool([url]) as pool:
+                    return await pool.create()
+
+            trajectory = asyncio.run(main())
+        finally:
+            service.stop()
+    assert service.proxy_url is not None and service.proxy_url.startswith("http://127.0.0.1:")
+    port = service.proxy_url.rsplit(":", 1)[1]
+    assert trajectory.proxy_url == f"http://{trajectory.id}:{trajectory.api_key}@127.0.0.1:{port}"
+    assert trajectory.env["HTTPS_PROXY"] == trajectory.proxy_url
+    assert Path(trajectory.env["SSL_CERT_FILE"]).is_file()
