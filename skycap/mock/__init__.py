@@ -1,1 +1,1 @@
-"""Scripted stand-ins for an OpenAI-compatible server and a vLLM engine (demo, tests, benchmarks)."""
+"""Scripted stand-ins for an OpenAI-compatible server and a vLLM engine (demo, tests, benches)."""
