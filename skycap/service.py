@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -126,6 +127,23 @@ class CaptureService:
         if proxy is None or not proxy.port:
             return None
         return _format_url(self.options.advertise_host, proxy.port)
+
+    def run_in_loop[T](self, fn: Callable[[], T], timeout: float = 30.0) -> T:
+        """Run `fn()` on the server's event loop and return its result (or raise its error).
+
+        The running server's state (`server.store` and the live trajectories in it) belongs
+        to that loop: read or change it through here, never from another thread.
+        """
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive() or self.url is None:
+            raise RuntimeError(
+                "this CaptureService is not running: call run_in_loop between start() and stop()"
+            )
+
+        async def call() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout)
 
     def stop(self, timeout: float = 120.0) -> bool:
         """Shut down gracefully (records written) and join the thread; idempotent.

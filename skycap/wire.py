@@ -8,7 +8,8 @@ from typing import Any
 
 import orjson
 
-# format.md §8: the request keys text mode records as the call's `sampling`.
+#: A chat request's sampling keys: text mode records them as the call's `sampling` (format.md
+#: §8); token mode merges them with `--sampling-overrides` (http.md §9.1, §9.3).
 SAMPLING_KEYS = (
     "temperature",
     "top_p",
@@ -155,5 +156,8 @@ def control_error(message: str, code: str | None = None) -> bytes:
 
 
 def recorded_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """Text mode's `sampling`: the present, non-null SAMPLING_KEYS, values as sent."""
+    """The request's sampling as sent: its present, non-null SAMPLING_KEYS, values untouched.
+
+    Text mode records exactly this; token mode merges it with the overrides first.
+    """
     return {key: body[key] for key in SAMPLING_KEYS if body.get(key) is not None}

@@ -1,10 +1,12 @@
-"""Shared pytest set-up: offline tokenizers (D-5) and the bundled Qwen3 tokenizer folder."""
+"""Shared pytest set-up: offline tokenizers (D-5), the Qwen3 folder, one renderer and engine."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +31,39 @@ def qwen3_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(qwen3_dir: Path):
+    """The tokenizer scripted engines encode with; renderers load their own (one per thread)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(qwen3_dir))
+
+
+@pytest.fixture(scope="session")
+def qwen3_renderer(qwen3_dir: Path):
+    """The default token-mode renderer over the Qwen3 folder, loaded once per session.
+
+    Not thread-safe: a test or server may use it from one thread at a time, which holds
+    as tests run one after another and module-scoped servers stop at their module's end.
+    """
+    from skycap.tokens.renderer import LibraryRenderer
+
+    return LibraryRenderer(qwen3_dir, renderer_name="qwen3")
+
+
+@pytest.fixture(scope="session")
+def scripted_engine(qwen3_tokenizer: Any) -> Iterator[Any]:
+    """A scripted vLLM engine with default replies, shared by the tests that only count on it."""
+    from skycap.mock.engine import ScriptedEngine
+
+    with ScriptedEngine(qwen3_tokenizer) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def token_server_options(scripted_engine: Any, qwen3_renderer: Any) -> Callable[..., Any]:
+    """`extra` -> ServerOptions of a token-mode server on the shared engine and renderer."""
+    from skycap.server.options import ServerOptions
+
+    def options(**extra: Any) -> ServerOptions:
+        return ServerOptions(scripted_engine.url, mode="tokens", renderer=qwen3_renderer, **extra)
+
+    return options

@@ -1,16 +1,14 @@
-"""Shared helpers for the server tests: a capture server on its own thread, a mock upstream."""
+"""Shared helpers for the server tests: an embedded capture server, a mock upstream, clients."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import concurrent.futures
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,83 +17,33 @@ from typing import Any
 import httpx
 import pytest
 
+from skycap import CaptureService
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.options import ServerOptions
 
 
-class ServerThread:
-    """`skycap.server.runner.serve` on a daemon thread with its own loop, as an embedder runs it."""
+class ServerThread(CaptureService):
+    """The embedded CaptureService, built from a ready ServerOptions.
+
+    Every server test runs its server through here, so the embedding path is the one
+    under test. `stop()` fails the test when the thread did not finish or the server
+    ended with an error.
+    """
 
     def __init__(self, options: ServerOptions) -> None:
-        self.options = options
-        self.url = ""
-        self.addon: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self) -> str:
-        from skycap.server.addon import SkycapAddon
-
-        ready: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self.addon = SkycapAddon(self.options)
-
-        async def main() -> None:
-            from skycap.server.runner import serve
-
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            await serve(
-                self.options, ready=ready.set_result, stop_event=self._stop, addons=[self.addon]
-            )
-
-        def target() -> None:
-            try:
-                asyncio.run(main())
-            except BaseException as exc:  # reported by start() or stop()
-                self._error = exc
-                if not ready.done():
-                    ready.set_exception(exc)
-
-        self._thread = threading.Thread(target=target, name="skycap-test-server", daemon=True)
-        self._thread.start()
-        self.url = ready.result(timeout=20)
-        return self.url
+        fields = dataclasses.fields(options)
+        super().__init__(**{f.name: getattr(options, f.name) for f in fields if f.init})
 
     @property
     def store(self) -> Any:
-        return self.addon.store
+        """The addon's trajectory store; touch it only through `run_in_loop`."""
+        return self.server.store
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the server loop (the store is loop-owned) and return its result."""
-        assert self._loop is not None
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._loop.call_soon_threadsafe(run)
-        return future.result(timeout=10)
-
-    def run(self, coro_fn: Callable[[], Any]) -> Any:
-        """Await `coro_fn()` on the server loop and return its result."""
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop).result(timeout=30)
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
-        assert not self._thread.is_alive(), "the capture server did not stop within 30 s"
-        self._thread = None
+    def stop(self, timeout: float = 30.0) -> bool:
+        assert super().stop(timeout), f"the capture server did not stop within {timeout:g} s"
         if self._error is not None:
             raise self._error
+        return True
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
@@ -112,10 +60,8 @@ def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "co
 
 @pytest.fixture
 def upstream() -> Iterator[ScriptedUpstream]:
-    mock = ScriptedUpstream()
-    mock.start()
-    yield mock
-    mock.stop()
+    with ScriptedUpstream() as mock:
+        yield mock
 
 
 @pytest.fixture
@@ -155,6 +101,19 @@ class Control:
 
     def close(self) -> None:
         self.http.close()
+
+    def __enter__(self) -> Control:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@pytest.fixture
+def control(server: ServerThread) -> Iterator[Control]:
+    """A control client of the module's `server` fixture."""
+    with Control(server.url) as client:
+        yield client
 
 
 def record_files(record_dir: Path) -> list[str]:

@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 
 from skycap.arrays import pack
-from skycap.tokens.engine import (
-    EngineError,
-    EngineOutput,
-    VLLMEngine,
-    caller_sampling,
-    merge_sampling,
-)
+from skycap.tokens.engine import EngineError, EngineOutput, VLLMEngine, merge_sampling
+from skycap.wire import recorded_sampling
 
 STOPS = [151645, 151643]
 
@@ -75,8 +70,9 @@ def test_stop_token_ids_default_only_when_absent() -> None:
 
 
 def test_caller_sampling_keeps_listed_non_null_fields() -> None:
+    """Token mode reads the caller's sampling with the text-mode recipe (http.md §9.1)."""
     body = {"temperature": 0, "top_p": None, "stop_token_ids": [1], "ignore_eos": True, "seed": 3}
-    assert caller_sampling(body) == {"temperature": 0, "seed": 3}
+    assert recorded_sampling(body) == {"temperature": 0, "seed": 3}
 
 
 # -- request (http.md §10.1) ---------------------------------------------------------------

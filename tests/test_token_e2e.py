@@ -77,10 +77,11 @@ class OneServer:
 
     Tests asking for the same configuration share the running server; another
     configuration stops it first. Tests are ordered so each configuration starts once.
+    The main configuration loads the tokenizer from its folder with two renderer slots, as
+    `skycap serve --tokenizer` does; the others reuse the session's renderer.
     """
 
-    def __init__(self, qwen3_dir: Path) -> None:
-        self.qwen3_dir = qwen3_dir
+    def __init__(self) -> None:
         self.key: tuple[Any, ...] | None = None
         self.thread: ServerThread | None = None
 
@@ -88,16 +89,7 @@ class OneServer:
         key = (upstream, *sorted(options.items()))
         if key != self.key:
             self.stop()
-            self.thread = ServerThread(
-                ServerOptions(
-                    upstream,
-                    mode="tokens",
-                    tokenizer=str(self.qwen3_dir),
-                    renderer_name="qwen3",
-                    renderer_pool_size=2,
-                    **options,
-                )
-            )
+            self.thread = ServerThread(ServerOptions(upstream, mode="tokens", **options))
             self.thread.start()
             self.key = key
         assert self.thread is not None
@@ -110,8 +102,8 @@ class OneServer:
 
 
 @pytest.fixture(scope="module")
-def servers(qwen3_dir: Path) -> Iterator[OneServer]:
-    one = OneServer(qwen3_dir)
+def servers() -> Iterator[OneServer]:
+    one = OneServer()
     yield one
     one.stop()
 
@@ -122,9 +114,19 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def control(servers: OneServer, engine: ScriptedEngine, records: Path) -> Iterator[Control]:
+def control(
+    servers: OneServer, engine: ScriptedEngine, records: Path, qwen3_dir: Path
+) -> Iterator[Control]:
     """A control client of the main server: parsed replies, records, a 1 s engine timeout."""
-    client = Control(servers.get(engine.url, record_dir=records, upstream_timeout=1.0).url)
+    server = servers.get(
+        engine.url,
+        tokenizer=str(qwen3_dir),
+        renderer_name="qwen3",
+        renderer_pool_size=2,
+        record_dir=records,
+        upstream_timeout=1.0,
+    )
+    client = Control(server.url)
     yield client
     client.close()
 
@@ -275,9 +277,9 @@ def test_bad_routed_experts_fail_the_trajectory_after_answering(
 
 
 def test_raw_content_replayed_without_reasoning_stays_one_path(
-    engine: ScriptedEngine, servers: OneServer
+    engine: ScriptedEngine, servers: OneServer, qwen3_renderer: Any
 ) -> None:
-    control = Control(servers.get(engine.url, use_raw_content=True).url)
+    control = Control(servers.get(engine.url, renderer=qwen3_renderer, use_raw_content=True).url)
     try:
         trajectory = control.create()
         client = sdk(trajectory)
@@ -298,8 +300,8 @@ def test_raw_content_replayed_without_reasoning_stays_one_path(
         control.close()
 
 
-def test_an_unreachable_engine_answers_502(servers: OneServer) -> None:
-    control = Control(servers.get("http://127.0.0.1:9").url)
+def test_an_unreachable_engine_answers_502(servers: OneServer, qwen3_renderer: Any) -> None:
+    control = Control(servers.get("http://127.0.0.1:9", renderer=qwen3_renderer).url)
     try:
         trajectory = control.create()
         with pytest.raises(openai.APIStatusError) as raised:

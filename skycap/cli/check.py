@@ -12,7 +12,11 @@ HELP = "Report whether recorded trajectories are linear, and why each fork happe
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("record_dir", metavar="RECORD_DIR", help="a record directory")
     parser.add_argument(
-        "ids", metavar="TRAJECTORY_ID", nargs="*", help="trajectories to check (default: all)"
+        "ids",
+        metavar="TRAJECTORY_ID",
+        nargs="*",
+        default=[],  # without it argparse calls the optional ids "required" in its errors
+        help="trajectories to check (default: all)",
     )
     parser.set_defaults(check_parser=parser)
 

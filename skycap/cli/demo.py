@@ -51,4 +51,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("skycap demo drives harnesses with the `openai` package: `pip install openai`")
         return 2
-    return run_demo(args.mode, args.record_dir.resolve(), Console())
+    record_dir = args.record_dir.resolve()
+    try:
+        record_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"skycap demo: error: cannot create --record-dir {record_dir}: {exc.strerror}")
+        return 2
+    return run_demo(args.mode, record_dir, Console())

@@ -34,25 +34,30 @@ def _available() -> dict[str, str]:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each subcommand's, so errors show the right usage."""
     parser = argparse.ArgumentParser(
         prog="skycap",
         description="Capture what an LLM policy saw and sampled while an agent harness runs.",
     )
     parser.add_argument("--version", action="version", version=f"skycap {version('skycap')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = {}
     for name, module_name in _available().items():
         module = importlib.import_module(module_name)
-        module.configure(subparsers.add_parser(name, help=module.HELP, description=module.HELP))
-    return parser
+        commands[name] = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
+        module.configure(commands[name])
+    return parser, commands
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # transformers announces at import that PyTorch is missing, which token mode never needs.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, commands = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        (commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -57,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         _settle_garbage_collector()
         upstream = options.upstream_url or "each call's original host"
-        log.warning("skycap %s mode listening on %s (upstream %s)", options.mode, url, upstream)
+        # The start line is news, not a warning: it goes to stderr whatever --log-level says.
+        lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
         if addon.proxy is not None:
-            log.warning(
-                "HTTPS_PROXY listener on %s:%s (CA bundle %s)",
-                options.host,
-                addon.proxy.port,
-                addon.proxy.ca.bundle,
+            lines.append(
+                f"HTTPS_PROXY listener on {options.host}:{addon.proxy.port} "
+                f"(CA bundle {addon.proxy.ca.bundle})"
             )
+        print("\n".join(lines), file=sys.stderr, flush=True)
         if options.binds_beyond_loopback:
             log.warning(
                 "listening on %s: the control routes are unauthenticated and reachable from "

@@ -16,7 +16,11 @@ HELP = "live dashboard of capture servers: modes, rates, failures and live traje
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("urls", nargs="+", metavar="URL", help="capture server base URL")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
-    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="print one snapshot and exit (status 1 if any server is down)",
+    )
     parser.add_argument(
         "--sort",
         default="age",
@@ -65,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         if args.once:
             poller.poll()
             console.print(render(poller.servers, sort, footer=False))
-            return 0
+            # Scripts use --once as a health check: any server down is a failure.
+            return 0 if all(server.up for server in poller.servers) else 1
         with _cbreak() as keys, Live(console=console, screen=False, auto_refresh=False) as live:
             while True:
                 poller.poll()

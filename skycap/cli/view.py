@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     from skycap.viewer.groups import QueryError, parse_group_by
     from skycap.viewer.server import make_server
 
+    if not 0 <= args.port <= 65535:
+        print(f"skycap view: error: --port must be 0-65535, got {args.port}", file=sys.stderr)
+        return 2
     for directory in args.dirs:
         if not Path(directory).is_dir():
             print(f"skycap view: error: {directory} is not a directory", file=sys.stderr)
@@ -59,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
             [Path(d) for d in args.dirs], host=args.host, port=args.port, group_by=group_by
         )
     except OSError as exc:
+        # A name that does not resolve is a bad --host; anything else is about the port.
+        fix = "pass another --host" if isinstance(exc, socket.gaierror) else "pass another --port"
         print(
-            f"skycap view: error: cannot listen on {args.host}:{args.port}: {exc.strerror}; "
-            "pass another --port",
+            f"skycap view: error: cannot listen on {args.host}:{args.port}: "
+            f"{exc.strerror or exc}; {fix}",
             file=sys.stderr,
         )
         return 1

@@ -9,17 +9,24 @@ from skycap.server.store import Answer, TrajectoryStore
 from skycap.wire import BodyError, parse_json_body
 
 
-def _object_body(raw: bytes) -> dict[str, Any] | Answer:
-    """The JSON object a control body holds; an empty body is `{}`."""
-    try:
-        body = parse_json_body(raw, allow_empty=True)
-    except BodyError as exc:
-        return Answer.error(400, str(exc))
+def _object_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object a control body holds; an empty body is `{}`. Raises BodyError."""
+    body = parse_json_body(raw, allow_empty=True)
     if body is None:
         return {}
     if not isinstance(body, dict):
-        return Answer.error(400, "request body must be a JSON object")
+        raise BodyError("request body must be a JSON object")
     return body
+
+
+def _object_member(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """An optional object member of a control body; missing or null is `{}`. Raises BodyError."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BodyError(f"`{name}` must be an object")
+    return value
 
 
 class Control:
@@ -40,14 +47,10 @@ class Control:
 
     def create(self, raw: bytes, origin: str) -> Answer:
         """`origin` is `scheme://host[:port]` as the trainer reached us (D-9)."""
-        body = _object_body(raw)
-        if isinstance(body, Answer):
-            return body
-        meta = body.get("meta")
-        if meta is None:
-            meta = {}
-        elif not isinstance(meta, dict):
-            return Answer.error(400, "`meta` must be an object")
+        try:
+            meta = _object_member(_object_body(raw), "meta")
+        except BodyError as exc:
+            return Answer.error(400, str(exc))
         live = self.store.create(meta)
         created = {
             "id": live.id,
@@ -59,22 +62,23 @@ class Control:
         return Answer.json(200, created)
 
     async def finish(self, trajectory_id: str, raw: bytes) -> Answer:
-        body = _object_body(raw)
-        if isinstance(body, Answer):
-            return body
-        annotations = body.get("annotations")
-        if annotations is None:
-            annotations = {}
-        elif not isinstance(annotations, dict):
-            return Answer.error(400, "`annotations` must be an object")
-        paths = body.get("paths")
-        if paths is not None:
-            if not isinstance(paths, str):
-                return Answer.error(400, "`paths` must be a string")
-            if not self.store.known_rule(paths):
-                names = ", ".join(self.store.rule_names())
-                return Answer.error(400, f"`paths` must be one of [{names}]")
+        try:
+            body = _object_body(raw)
+            annotations = _object_member(body, "annotations")
+            paths = self._paths(body.get("paths"))
+        except BodyError as exc:
+            return Answer.error(400, str(exc))
         return await self.store.finish(trajectory_id, annotations, paths)
+
+    def _paths(self, paths: Any) -> str | None:
+        """The path rule a finish names (None: the default, or the rule already recorded)."""
+        if paths is None:
+            return None
+        if not isinstance(paths, str):
+            raise BodyError("`paths` must be a string")
+        if not self.store.known_rule(paths):
+            raise BodyError(f"`paths` must be one of [{', '.join(self.store.rule_names())}]")
+        return paths
 
     async def document(self, trajectory_id: str) -> Answer:
         return await self.store.document(trajectory_id)

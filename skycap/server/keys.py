@@ -6,6 +6,7 @@ import base64
 import binascii
 import hmac
 import secrets
+from collections.abc import Iterable
 
 KEY_PREFIX = "sk-skycap-"
 _BEARER = b"bearer"
@@ -16,6 +17,17 @@ _WHITESPACE = b" \t\r\n\x0b\x0c"
 def new_api_key() -> str:
     """`sk-skycap-` + URL-safe base64 of 24 random bytes (32 characters, no padding)."""
     return KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(24)).decode("ascii")
+
+
+def raw_header(fields: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header `name` (lowercase) among raw fields, as mitmproxy holds them.
+
+    Keys are compared as bytes (http.md §4), so a value that is not text is still found.
+    """
+    for key, value in fields:
+        if key.lower() == name:
+            return value
+    return None
 
 
 def _split_scheme(header: bytes) -> tuple[bytes, bytes] | None:

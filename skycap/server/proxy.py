@@ -30,7 +30,7 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import RegularMode
 
 from skycap.certs import CertAuthority
-from skycap.server.keys import basic_credentials
+from skycap.server.keys import basic_credentials, raw_header
 from skycap.server.store import Live, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
 from skycap.wire import openai_error
@@ -62,11 +62,8 @@ class ProxyAuthRequired(Exception):
         return response
 
 
-def _header(flow: http.HTTPFlow, name: bytes) -> bytes | None:
-    for key, value in flow.request.headers.fields:
-        if key.lower() == name:
-            return value
-    return None
+def _credentials(flow: http.HTTPFlow) -> bytes | None:
+    return raw_header(flow.request.headers.fields, b"proxy-authorization")
 
 
 class Proxy:
@@ -113,7 +110,7 @@ class Proxy:
     def connect(self, flow: http.HTTPFlow) -> None:
         """The `http_connect` hook: remember the tunnel's trajectory, or answer 407."""
         try:
-            trajectory_id = self.identify(_header(flow, b"proxy-authorization"))
+            trajectory_id = self.identify(_credentials(flow))
         except ProxyAuthRequired as refused:
             flow.response = refused.response()
             return
@@ -124,7 +121,7 @@ class Proxy:
 
         `Proxy-Authorization` is removed either way: the key never leaves skycap.
         """
-        header = _header(flow, b"proxy-authorization")
+        header = _credentials(flow)
         if header is not None:
             del flow.request.headers["proxy-authorization"]
         tunnel = self._tunnels.get(flow.client_conn.id)

@@ -40,6 +40,15 @@ def quiet_third_party_loggers() -> None:
     level = wanted if wanted <= logging.DEBUG else logging.WARNING
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    proxyserver_log = logging.getLogger("mitmproxy.addons.proxyserver")
+    if _drop_bind_errors not in proxyserver_log.filters:
+        proxyserver_log.addFilter(_drop_bind_errors)
+
+
+def _drop_bind_errors(record: logging.LogRecord) -> bool:
+    """serve() reports a failed bind itself, with skycap's flags rather than mitmproxy's."""
+    message = record.getMessage()
+    return bool(message.strip()) and "failed to listen" not in message
 
 
 def lean_addons() -> list[object]:
@@ -108,9 +117,12 @@ async def serve(
             if instance.last_exception is not None:
                 is_proxy = not isinstance(instance.mode, ReverseMode)
                 port = options.proxy_port if is_proxy else options.port
-                what = "the proxy listener (--proxy-port)" if is_proxy else "the server"
+                what = "the proxy listener" if is_proxy else "the server"
+                flag = "--proxy-port" if is_proxy else "--port"
+                # mitmproxy appends advice about its own --mode flag: keep the first line.
+                reason = str(instance.last_exception).splitlines()[0]
                 raise OSError(
-                    f"{what} cannot listen on {options.host}:{port}: {instance.last_exception}"
+                    f"{what} cannot listen on {options.host}:{port}: {reason}; pass another {flag}"
                 )
         bound_host, bound_port = listen_address(server, ReverseMode)
         if ready is not None:

@@ -45,6 +45,7 @@ from skycap.trajectory import (
     is_trajectory_id,
     new_trajectory_id,
 )
+from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
 
@@ -109,8 +110,7 @@ class Answer:
 
     @classmethod
     def error(cls, status: int, message: str, code: str | None = None) -> Answer:
-        value = {"error": message} if code is None else {"error": message, "code": code}
-        return cls.json(status, value)
+        return cls(status, control_error(message, code))
 
 
 class TrajectoryStore:

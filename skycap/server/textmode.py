@@ -88,6 +88,12 @@ class TextMode:
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
         data.headers.fields = kept + added + length
 
+    def on_models_error(self, flow: http.HTTPFlow) -> None:
+        """A forwarded model list failed before any reply: skycap's 502, not mitmproxy's page."""
+        if flow.response is None and flow.error and not flow.error.msg.startswith("Client"):
+            message = f"upstream unavailable: {flow.error.msg}"
+            self.conns.respond(flow, 502, openai_error(502, message))
+
     def start_chat(
         self, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
     ) -> TextCall:

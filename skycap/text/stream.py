@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -11,6 +12,17 @@ _PAYLOAD_PREVIEW = 200
 
 class StreamError(ValueError):
     """The stream cannot be recorded; the message starts `unreadable stream: ` (format.md §5)."""
+
+
+def _indexed[T](table: dict[int, T], item: dict[str, Any], make: Callable[[], T]) -> T:
+    """The state an `index` field names, made on first sight; no integer index means 0."""
+    index = item.get("index")
+    if type(index) is not int:
+        index = 0
+    state = table.get(index)
+    if state is None:
+        state = table[index] = make()
+    return state
 
 
 class _ToolCall:
@@ -60,12 +72,7 @@ class _Choice:
                     self._merge_tool_call(entry)
 
     def _merge_tool_call(self, entry: dict[str, Any]) -> None:
-        index = entry.get("index")
-        if type(index) is not int:
-            index = 0
-        call = self.tool_calls.get(index)
-        if call is None:
-            call = self.tool_calls[index] = _ToolCall()
+        call = _indexed(self.tool_calls, entry, _ToolCall)
         call_id = entry.get("id")
         if isinstance(call_id, str) and call_id:
             call.id = call_id
@@ -221,12 +228,7 @@ class StreamAssembler:
             self._choice(choice)
 
     def _choice(self, choice: dict[str, Any]) -> None:
-        index = choice.get("index")
-        if type(index) is not int:
-            index = 0
-        state = self._choices.get(index)
-        if state is None:
-            state = self._choices[index] = _Choice()
+        state = _indexed(self._choices, choice, _Choice)
         finish_reason = choice.get("finish_reason")
         if isinstance(finish_reason, str) and finish_reason:
             state.finish_reason = finish_reason

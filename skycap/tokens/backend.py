@@ -26,20 +26,13 @@ from skycap.tokens.engine import (
     EngineError,
     EngineOutput,
     VLLMEngine,
-    caller_sampling,
     merge_sampling,
 )
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
 from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
-from skycap.tokens.reply import (
-    completion_id,
-    completion_json,
-    completion_sse,
-    finish_reason,
-    reply_messages,
-)
+from skycap.tokens.reply import Completion, completion_id, finish_reason, reply_messages
 from skycap.trajectory import FAILED, Trajectory
-from skycap.wire import openai_error
+from skycap.wire import openai_error, recorded_sampling
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +204,7 @@ class TokenBackend:
         """(merged sampling, engine request body) (http.md §9.3-9.4); bad values answer 400."""
         try:
             sampling = merge_sampling(
-                caller_sampling(body),
+                recorded_sampling(body),
                 self.sampling_overrides,
                 room=room,
                 stop_token_ids=self._stop_token_ids,
@@ -373,7 +366,7 @@ class TokenBackend:
         status: str,
     ) -> Reply:
         requested = body.get("model")
-        content = dict(
+        completion = Completion(
             id=completion_id(),
             created=int(time.time()),
             model=requested if isinstance(requested, str) and requested else self.model or "",
@@ -385,10 +378,10 @@ class TokenBackend:
         headers = {"x-skycap-status": status}
         if body.get("stream") is True:
             headers |= {"content-type": "text/event-stream", "cache-control": "no-cache"}
-            payload = completion_sse(**content)
+            payload = completion.sse()
         else:
             headers["content-type"] = "application/json"
-            payload = completion_json(**content)
+            payload = completion.json()
         return Reply(200, headers, payload, replayable=status == "ok")
 
     # -- other routes and lifecycle -------------------------------------------------------
@@ -489,8 +482,8 @@ def _interned(ids: Sequence[int], start: int) -> list[int]:
     """
     ids = ids if isinstance(ids, list) else list(ids)
     tail = ids[start:]
-    top = max((t for t in tail if type(t) is int), default=-1)
-    if len(_SHARED_INTS) <= top < SHARED_INT_LIMIT:
+    top = min(max((t for t in tail if type(t) is int), default=-1), SHARED_INT_LIMIT - 1)
+    if len(_SHARED_INTS) <= top:
         with _SHARED_INTS_GROWING:  # backends on other threads may grow it at the same time
             _SHARED_INTS.extend(range(len(_SHARED_INTS), top + 1))
     shared, size = _SHARED_INTS, len(_SHARED_INTS)

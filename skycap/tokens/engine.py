@@ -17,22 +17,6 @@ import numpy as np
 
 from skycap.arrays import PackedArrayError, unpack
 
-#: Request fields that are caller sampling parameters when present and non-null (http.md §9.1).
-CALLER_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "min_tokens",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
 EXPERT_DTYPES = ("uint8", "uint16")
 
 
@@ -50,11 +34,6 @@ class EngineOutput:
     routed_experts: np.ndarray | None = None
     routed_start: int = 0
     sampling_mask: list[list[int]] | None = None
-
-
-def caller_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The caller's sampling parameters from a chat request: the §9.1 fields, when non-null."""
-    return {k: body[k] for k in CALLER_SAMPLING_FIELDS if body.get(k) is not None}
 
 
 def _fold_max_completion_tokens(side: Mapping[str, Any]) -> dict[str, Any]:

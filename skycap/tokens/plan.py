@@ -16,7 +16,7 @@ import numpy as np
 
 from skycap.graph import Graph, Node
 from skycap.hashing import loose_fields, token_match
-from skycap.tokens.renderer import Renderer, RenderError
+from skycap.tokens.renderer import Rendered, Renderer, RenderError, starts_with
 
 
 class PlanError(ValueError):
@@ -114,7 +114,7 @@ def _match(
         if not candidates:
             break
         if request_ids is None:
-            request_ids = _render_ids(renderer, messages, tools)
+            request_ids = list(_render(renderer, messages, tools).token_ids)
         found = next(
             (
                 c
@@ -167,11 +167,11 @@ def _renders_as(
         return False
 
 
-def _render_ids(
+def _render(
     renderer: Renderer, messages: list[dict[str, Any]], tools: list[Any] | None
-) -> list[int]:
+) -> Rendered:
     try:
-        return list(renderer.render(messages, tools).token_ids)
+        return renderer.render(messages, tools)
     except RenderError as exc:
         raise PlanError(str(exc)) from exc
 
@@ -203,20 +203,13 @@ def _bridge(
     if (
         result is None
         or result.reused != reused
-        or result.token_ids[: len(prompt)] != prompt
-        or result.token_ids[len(prompt) : reused] != completion
+        or not starts_with(result.token_ids, prompt, completion)
     ):
         return None
     tail = np.asarray(result.token_ids[reused:], dtype=np.int32)
     chunks, scaffold = attribute(tail, result.message_indices, len(new_messages))
-    return Plan(
-        prompt_ids=result.token_ids,
-        parent=path[-1].id,
-        new=_new_messages(new_messages, carried[at + 1 :], chunks),
-        scaffold=scaffold,
-        bridged=True,
-        reused=reused,
-        routes_from=_routes_from(path, reused),
+    return _plan(
+        result.token_ids, path, messages, carried, chunks, scaffold, bridged=True, reused=reused
     )
 
 
@@ -255,10 +248,7 @@ def _full_render(
     tools: list[Any] | None,
 ) -> Plan:
     """Render everything; keep the matched nodes whose tokens the render reproduces exactly."""
-    try:
-        result = renderer.render(messages, tools)
-    except RenderError as exc:
-        raise PlanError(str(exc)) from exc
+    result = _render(renderer, messages, tools)
     ids = np.asarray(result.token_ids, dtype=np.int32)
     owner = _owners(ids, result.message_indices, len(messages))
     kept, reused = _kept_prefix(graph, matched, ids, owner)
@@ -269,14 +259,9 @@ def _full_render(
     np.maximum(tail_owner, 0, out=tail_owner)
     chunks, scaffold = _split(ids[reused:], tail_owner, len(messages) - kept)
     path = [graph[node_id] for node_id in matched[:kept]]
-    return Plan(
-        prompt_ids=result.token_ids,
-        parent=path[-1].id if path else None,
-        new=_new_messages(messages[kept:], carried[kept:], chunks),
-        scaffold=scaffold,
-        bridged=False if len(graph) else None,
-        reused=reused,
-        routes_from=_routes_from(path, reused),
+    bridged = False if len(graph) else None
+    return _plan(
+        result.token_ids, path, messages, carried, chunks, scaffold, bridged=bridged, reused=reused
     )
 
 
@@ -352,13 +337,29 @@ def _split(ids: np.ndarray, owner: np.ndarray, count: int) -> tuple[list[np.ndar
     return chunks, ids[bounds[count] :].copy()
 
 
-def _new_messages(
-    messages: list[dict[str, Any]], hashes: list[str], chunks: list[np.ndarray]
-) -> list[NewMessage]:
-    return [
-        NewMessage(message, match, chunk)
-        for message, match, chunk in zip(messages, hashes, chunks, strict=True)
-    ]
+def _plan(
+    prompt_ids: list[int],
+    path: list[Node],
+    messages: list[dict[str, Any]],
+    carried: list[str],
+    chunks: list[np.ndarray],
+    scaffold: np.ndarray,
+    *,
+    bridged: bool | None,
+    reused: int,
+) -> Plan:
+    """The plan keeping `path` (its `reused` tokens) and adding messages[len(path):] as `chunks`."""
+    kept = len(path)
+    new = zip(messages[kept:], carried[kept:], chunks, strict=True)
+    return Plan(
+        prompt_ids=prompt_ids,
+        parent=path[-1].id if path else None,
+        new=[NewMessage(message, match, ids) for message, match, ids in new],
+        scaffold=scaffold,
+        bridged=bridged,
+        reused=reused,
+        routes_from=_routes_from(path, reused),
+    )
 
 
 def _routes_from(path: list[Node], reused: int) -> int:

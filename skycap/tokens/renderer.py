@@ -181,10 +181,7 @@ class LibraryRenderer:
         try:
             out = self._lib.render(list(messages), tools=tools or None, add_generation_prompt=True)
         except Exception as exc:  # the library raises assorted types on malformed messages
-            raise RenderError(
-                f"renderer for {self.name!r} cannot render these messages: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failed("render these messages", exc) from exc
         return Rendered(_as_list(out.token_ids), _as_list(out.message_indices))
 
     def bridge(
@@ -215,7 +212,7 @@ class LibraryRenderer:
             return None
         ids, indices = ids_and_indices
         reused = len(prompt) + len(completion)
-        if len(indices) != len(ids) - reused or not _starts_with(ids, prompt, completion):
+        if len(indices) != len(ids) - reused or not starts_with(ids, prompt, completion):
             return None
         return Rendered(ids, indices, reused=reused)
 
@@ -264,7 +261,7 @@ class LibraryRenderer:
         if bridged is None:
             return None
         ids, indices = bridged
-        if not _starts_with(ids, prompt, stand_in):
+        if not starts_with(ids, prompt, stand_in):
             return None
         return [*prompt, *completion, *ids[len(prompt) + len(stand_in) :]], indices
 
@@ -287,10 +284,7 @@ class LibraryRenderer:
                 ids, tools=tools or None, prompt_ids=_as_list(prompt_ids) or None
             )
         except Exception as exc:  # the library raises assorted types on odd completions
-            raise RenderError(
-                f"renderer for {self.name!r} cannot parse the completion: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failed("parse the completion", exc) from exc
         content = parsed.content
         calls: list[dict[str, Any]] = []
         stops = set(self.stop_token_ids)
@@ -309,6 +303,11 @@ class LibraryRenderer:
         if calls:
             message["tool_calls"] = calls
         return message
+
+    def _failed(self, action: str, exc: Exception) -> RenderError:
+        return RenderError(
+            f"renderer for {self.name!r} cannot {action}: {type(exc).__name__}: {exc}"
+        )
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -396,7 +395,7 @@ def _as_list(ids: Sequence[int]) -> list[int]:
     return ids if isinstance(ids, list) else list(ids)
 
 
-def _starts_with(ids: list[int], prompt: list[int], completion: list[int]) -> bool:
+def starts_with(ids: Sequence[int], prompt: list[int], completion: list[int]) -> bool:
     """Whether `ids` begins with prompt + completion, without building that concatenation.
 
     The completion is compared first: it is short, and it is where the library changes

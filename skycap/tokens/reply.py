@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,7 +29,7 @@ def reply_messages(
     if use_raw_content:
         stored = {
             "role": "assistant",
-            "content": raw_content(renderer, completion_ids, prompt_ids[-8:]),
+            "content": raw_content(renderer, completion_ids, prompt_ids),
         }
         return stored, {**stored, "reasoning_content": None}
     message = parse_reply(renderer, completion_ids, tools, prompt_ids)
@@ -46,63 +47,56 @@ def completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def completion_json(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    message: dict[str, Any],
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> bytes:
-    """The non-streamed `chat.completion` body (http.md §9.6)."""
-    return orjson.dumps(
-        {
-            "id": id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {"index": 0, "finish_reason": finish_reason, "logprobs": None, "message": message}
-            ],
-            "usage": _usage(prompt_tokens, completion_tokens),
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One answered completion; `json()` and `sse()` are its two wire forms (http.md §9.6-9.7)."""
+
+    id: str
+    created: int
+    model: str
+    message: dict[str, Any]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    def json(self) -> bytes:
+        """The non-streamed `chat.completion` body (http.md §9.6)."""
+        choice = {
+            "index": 0,
+            "finish_reason": self.finish_reason,
+            "logprobs": None,
+            "message": self.message,
         }
-    )
+        return orjson.dumps(
+            {**self._head("chat.completion"), "choices": [choice], "usage": self._usage()}
+        )
 
+    def sse(self) -> bytes:
+        """The whole synthesised stream as one buffered body (http.md §9.7)."""
+        head = self._head("chat.completion.chunk")
 
-def completion_sse(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    message: dict[str, Any],
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> bytes:
-    """The whole synthesised stream as one buffered body (http.md §9.7)."""
-    head = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model}
+        def frame(delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            return b"data: " + orjson.dumps({**head, "choices": [choice], **extra}) + b"\n\n"
 
-    def frame(delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": reason}
-        return b"data: " + orjson.dumps({**head, "choices": [choice], **extra}) + b"\n\n"
+        message = self.message
+        frames = [frame({"role": "assistant"})]
+        if message.get("reasoning_content"):
+            frames.append(frame({"reasoning_content": message["reasoning_content"]}))
+        if message.get("content"):
+            frames.append(frame({"content": message["content"]}))
+        for index, call in enumerate(message.get("tool_calls") or ()):
+            frames.append(frame({"tool_calls": [{"index": index, **call}]}))
+        frames.append(frame({}, self.finish_reason, usage=self._usage()))
+        frames.append(b"data: [DONE]\n\n")
+        return b"".join(frames)
 
-    frames = [frame({"role": "assistant"})]
-    if message.get("reasoning_content"):
-        frames.append(frame({"reasoning_content": message["reasoning_content"]}))
-    if message.get("content"):
-        frames.append(frame({"content": message["content"]}))
-    for index, call in enumerate(message.get("tool_calls") or ()):
-        frames.append(frame({"tool_calls": [{"index": index, **call}]}))
-    frames.append(frame({}, finish_reason, usage=_usage(prompt_tokens, completion_tokens)))
-    frames.append(b"data: [DONE]\n\n")
-    return b"".join(frames)
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    def _usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }

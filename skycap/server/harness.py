@@ -1,0 +1,210 @@
+"""The harness routes of http.md §3: admit a call, check its body, de-duplicate retries, run it.
+
+The addon hands a chat or model-list call here once its body is read and within
+`--max-body-size` (D-10), whether it came as `/t/{id}/v1/...` or through the proxy
+listener (D-24). Text mode then forwards it through mitmproxy (`textmode`); token mode
+answers it from the token backend, running the turn as its own task so that a client
+disconnect does not cancel it (http.md §5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from mitmproxy import http
+
+from skycap.server.keys import authorized, raw_header
+from skycap.server.options import ServerOptions
+from skycap.server.retry import Conflict, Entry, Replay, call_key
+from skycap.server.store import UNKNOWN, Live, TrajectoryStore
+from skycap.server.textmode import TextCall, TextMode
+from skycap.trajectory import is_trajectory_id
+from skycap.wire import BodyError, check_chat_request, openai_error, parse_json_body
+
+logger = logging.getLogger("skycap.server")
+
+_JSON = ((b"content-type", b"application/json"),)
+NO_UPSTREAM = (
+    "no --upstream-url configured: this server forwards only calls made through its proxy "
+    "port (D-8)"
+)
+
+
+def respond(flow: http.HTTPFlow, status: int, body: bytes, headers: Any = _JSON) -> None:
+    """Answer from a request hook; mitmproxy then contacts no upstream for this flow."""
+    flow.response = http.Response.make(status, body, headers)
+
+
+def harness_error(flow: http.HTTPFlow, status: int, message: str, code: str | None = None) -> None:
+    """Answer with the OpenAI-shaped error an SDK reads (http.md §1)."""
+    respond(flow, status, openai_error(status, message, code))
+
+
+class Harness:
+    """Admits harness calls into one store and runs them in the server's mode (one per server).
+
+    `text` is the text-mode forwarder, None in token mode, where `backend` answers.
+    """
+
+    def __init__(
+        self,
+        options: ServerOptions,
+        store: TrajectoryStore,
+        text: TextMode | None,
+        backend: Any,
+    ) -> None:
+        self.require_api_key = options.require_api_key
+        self.store = store
+        self.text = text
+        self.backend = backend
+
+    async def models(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> None:
+        """The model list: the upstream's, forwarded (text), or the backend's (tokens)."""
+        live = self._admit(flow, trajectory_id, proxied)
+        if live is None:
+            return
+        live.touch()
+        if self.text is not None:
+            self.text.forward(flow, b"/models")
+        else:
+            reply = await self.backend.models()
+            respond(flow, reply.status, reply.body, reply.headers)
+
+    async def chat(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, raw: bytes
+    ) -> TextCall | None:
+        """Steps 1-5 of http.md §3, then the call; returns a text-mode call to the hooks."""
+        live = self._admit(flow, trajectory_id, proxied)
+        if live is None:
+            return None
+        try:
+            body = check_chat_request(parse_json_body(raw))
+        except BodyError as exc:
+            harness_error(flow, 400, str(exc))
+            return None
+        entry = await self._deduplicate(flow, live, raw)
+        if entry is None:
+            return None
+        if self.text is not None:
+            return self.text.start_chat(flow, live, body, entry)
+        await self._token_chat(flow, live, body, entry)
+        return None
+
+    def _admit(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+        """The gate, then whether this server can forward the call at all (D-8)."""
+        live = self._gate(flow, trajectory_id, proxied)
+        if live is None or self.text is None or self.text.has_upstream or proxied:
+            return live
+        harness_error(flow, 502, NO_UPSTREAM)
+        return None
+
+    def _gate(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+        """Steps 1-3 of http.md §3; answers the flow and returns None when a step fails.
+
+        Through the proxy, step 3 already happened on the proxy credentials (D-24): the
+        harness's own `Authorization` is whatever its SDK was configured with.
+        """
+        live = self.store.get(trajectory_id) if is_trajectory_id(trajectory_id) else None
+        if live is None:
+            if self.store.on_disk(trajectory_id):
+                harness_error(flow, 410, "trajectory has ended", "trajectory_closed")
+            else:
+                harness_error(flow, 404, UNKNOWN)
+            return None
+        if not live.trajectory.is_open:
+            status = live.trajectory.status
+            harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed")
+            return None
+        if self.require_api_key and not proxied:
+            header = raw_header(flow.request.headers.fields, b"authorization")
+            if not authorized(header, live.api_key):
+                message = "this trajectory's api_key is required"
+                harness_error(flow, 401, message, "invalid_api_key")
+                return None
+        return live
+
+    async def _deduplicate(self, flow: http.HTTPFlow, live: Live, raw: bytes) -> Entry | None:
+        """Step 5 (http.md §5): answer a retry from its original, or register this call."""
+        headers = flow.request.headers
+        key = call_key(raw, headers.get("x-stainless-retry-count"), headers.get("idempotency-key"))
+        if key.dedup:
+            try:
+                found = await live.retries.lookup(key)
+            except Conflict as exc:
+                harness_error(flow, 400, str(exc))
+                return None
+            if found is not None:
+                counters = live.trajectory.retries
+                counters["replayed"] += 1
+                if found.coalesced:
+                    counters["coalesced"] += 1
+                replay = found.replay
+                respond(flow, replay.status, replay.body, http.Headers(replay.headers))
+                return None
+            if not live.trajectory.is_open or self.store.get(live.id) is not live:
+                status = live.trajectory.status
+                harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed")
+                return None
+        return live.retries.register(key)
+
+    async def _token_chat(
+        self, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
+    ) -> None:
+        """Run the turn as its own task (a client disconnect does not cancel it); sealing does."""
+        t_start = time.time()
+        task = asyncio.ensure_future(self.backend.chat(live.trajectory, body))
+        live.inflight[task] = task.cancel
+        live.touch()
+        try:
+            reply = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+            reply = None
+        except Exception as exc:  # a backend bug must not take the connection's hook down
+            logger.warning("token-mode call of %s failed: %r", live.id, exc)
+            harness_error(flow, 500, f"token mode failed: {type(exc).__name__}: {exc}")
+            reply = None
+        finally:
+            live.inflight.pop(task, None)
+            live.touch()
+        if reply is None:
+            entry.settle(None)
+            if flow.response is None and flow.killable:
+                flow.kill()
+            return
+        fields = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
+        entry.settle(Replay.of(reply.status, fields, reply.body) if reply.replayable else None)
+        if reply.headers.get("x-skycap-status") == "ok":
+            self.store.note_commit(live, _token_call(reply.body, t_start))
+        elif not live.trajectory.is_open:
+            live.cancel_inflight()
+        respond(flow, reply.status, reply.body, reply.headers)
+
+
+def _token_call(body: bytes, t_start: float) -> dict[str, Any]:
+    """What /healthz and `GET /trajectories` count of a committed token-mode reply (D-7).
+
+    The reply is JSON, or a synthesised SSE body whose last JSON chunk carries usage and
+    the finish reason (http.md §9.6-§9.7).
+    """
+    summary: dict[str, Any] = {"t_start": t_start, "t_end": time.time()}
+    chunk: Any = None
+    try:
+        if body.startswith(b"{"):
+            chunk = orjson.loads(body)
+        else:
+            events = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
+            chunk = orjson.loads(events[-1][6:]) if events else None
+    except orjson.JSONDecodeError:
+        chunk = None
+    if isinstance(chunk, dict):
+        summary["usage"] = chunk.get("usage")
+        choices = chunk.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            summary["finish_reason"] = choices[0].get("finish_reason")
+    return summary
