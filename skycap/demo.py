@@ -284,6 +284,7 @@ def report(
     reports: list[RolloutReport], mode: str, record_dir: Path, console: Any, elapsed: float
 ) -> int:
     """The summary table and the `skycap check` verdict over the records just written."""
+    from rich import box
     from rich.table import Table
 
     from skycap.linearity import analyse, summary_line
@@ -298,10 +299,15 @@ def report(
         for call in node["calls"]
         if call.get("bridged") is not None
     ]
-    table = Table(title=f"captured in {elapsed:.1f} s ({mode} mode) → {record_dir}")
-    for column in ("rollout", "trajectory", "status", "turns", "reward", "paths", "trained tokens"):
-        left = column in ("rollout", "trajectory")
-        table.add_column(column, justify="left" if left else "right", no_wrap=left)
+    table = Table(
+        title=f"captured in {elapsed:.1f} s ({mode} mode) → {record_dir}",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+    for column in ("rollout", "trajectory", "status", "turns", "reward", "paths", "trained"):
+        left = column in ("rollout", "trajectory", "status")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
     for r in reports:
         table.add_row(
             r.name,
