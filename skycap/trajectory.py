@@ -62,6 +62,10 @@ class Trajectory:
         self.failures: list[dict[str, Any]] = []
         self.retries = {"replayed": 0, "coalesced": 0}
         self.samples: dict[str, Any] | None = None
+        # Whether token mode refused a call with `context_length_exceeded`: reported by
+        # finish (http.md §2.3), kept in memory only as the record format has no field for
+        # it, so a trajectory read back from disk reports False.
+        self.context_length_exceeded = False
 
     @property
     def mode(self) -> str:

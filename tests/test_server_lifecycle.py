@@ -106,10 +106,19 @@ def test_shutdown_writes_open_trajectories_and_a_restart_finishes_them(
     control = Control(second.start())
     moved = {**live[0], "base_url": f"{second.url}/t/{live[0]['id']}/v1"}
     try:
-        assert chat(moved).status_code == 410
+        refused = chat(moved)
+        assert refused.status_code == 410
+        assert refused.json()["error"]["code"] == "trajectory_closed"
+        assert refused.json()["error"]["message"] == (
+            "trajectory was written to disk when the server stopped; it takes no more calls, "
+            f"finish it with POST /trajectories/{live[0]['id']}/finish"
+        )
         result = control.finish(live[0]["id"], annotations={"reward": 1}).json()
         assert result["status"] == "finished" and len(result["samples"]) == 1
         assert read_document(tmp_path / f"{live[0]['id']}.json.zst")["ended"] is True
+        ended = chat(moved)  # the record is ended now: the ordinary message again
+        assert ended.status_code == 410
+        assert ended.json()["error"]["message"] == "trajectory has ended"
         empty_result = control.finish(empty["id"]).json()
         assert empty_result["samples"] == [] and empty_result["status"] == "finished"
     finally:
@@ -123,17 +132,23 @@ def test_require_api_key(make_server, tmp_path: Path) -> None:
     mine, other = control.create(), control.create()
     url = f"{mine['base_url']}/chat/completions"
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    for headers in [
-        {},
-        {"Authorization": mine["api_key"]},
-        {"Authorization": "Bearer sk-skycap-guess"},
-        {"Authorization": f"Bearer {other['api_key']}"},
-        {"Authorization": b"Bearer \xff\xfe"},
+    required = "this trajectory's api_key is required"
+    wrong = f"{required}: the key sent is not this trajectory's"
+    for headers, message in [
+        ({}, required),
+        (
+            {"Authorization": mine["api_key"]},
+            f"{required}: send it as `Authorization: Bearer <api_key>`",
+        ),
+        ({"Authorization": "Bearer sk-skycap-guess"}, wrong),
+        ({"Authorization": f"Bearer {other['api_key']}"}, wrong),
+        ({"Authorization": b"Bearer \xff\xfe"}, wrong),
     ]:
         refused = httpx.post(url, json=body, headers=headers)
         assert refused.status_code == 401
         assert refused.json()["error"]["code"] == "invalid_api_key"
-        assert refused.json()["error"]["message"] == "this trajectory's api_key is required"
+        assert refused.json()["error"]["message"].startswith(required)
+        assert refused.json()["error"]["message"] == message
     assert httpx.get(f"{mine['base_url']}/models").status_code == 401
     accepted = httpx.post(url, json=body, headers={"Authorization": f"bearer\t {mine['api_key']}"})
     assert accepted.status_code == 200

@@ -77,6 +77,22 @@ def test_upstream_url_is_required_and_checked() -> None:
         ServerOptions(UP, no_such_option=1)
 
 
+@pytest.mark.parametrize("url", ["http://engine:8000/v1", "http://engine:8000/router/v1/"])
+def test_token_mode_refuses_an_upstream_url_ending_in_v1(url: str) -> None:
+    message = (
+        f"upstream_url (--upstream-url) '{url}' ends in /v1, but token mode wants the engine "
+        "root, e.g. http://engine:8000, not .../v1: drop the /v1"
+    )
+    with pytest.raises(ValueError) as refused:
+        ServerOptions(url, mode="tokens", tokenizer="Qwen/Qwen3-8B")
+    assert str(refused.value) == message
+    with pytest.raises(ValueError, match="--upstream-url"):
+        parse("--upstream-url", url, "--mode", "tokens", "--tokenizer", "Qwen/Qwen3-8B")
+    assert ServerOptions(url).upstream_path.endswith("/v1")  # text mode wants the /v1
+    root = ServerOptions("http://engine:8000/router", mode="tokens", tokenizer="Qwen/Qwen3-8B")
+    assert root.upstream_path == "/router"
+
+
 def test_every_flag_sets_a_real_keyword() -> None:
     fields = set(ServerOptions.__dataclass_fields__)
     assert {flag.keyword for flag in FLAGS} <= fields

@@ -67,6 +67,41 @@ def test_an_episode_is_captured_with_tokens(server: ServerThread, control: Contr
     assert stored["capture"]["mode"] == "tokens" and stored["sidecars"]["tokens"]
 
 
+@pytest.mark.parametrize("role", ["developer", "narrator"])
+def test_a_role_the_template_drops_is_refused_before_inference(
+    control: Control, scripted_engine: ScriptedEngine, role: str
+) -> None:
+    trajectory = control.create()
+    client = openai.OpenAI(
+        base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
+    )
+    messages: list[Any] = [
+        {"role": role, "content": "Always answer in French"},
+        {"role": "user", "content": "x"},
+    ]
+    before = len(scripted_engine.requests)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="p", messages=messages)
+    assert refused.value.status_code == 400
+    assert refused.value.body["message"] == (
+        f"message 0 (role '{role}') renders to no tokens with this chat template, so the "
+        "model would never see it; send it with a role the template renders, such as 'system'"
+    )
+    assert len(scripted_engine.requests) == before
+    document = control.document(trajectory["id"]).json()
+    assert document["status"] == "open" and document["nodes"] == [] and document["failures"] == []
+    # A normal conversation (an assistant turn of tool calls with empty content) is unaffected.
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    ordinary: list[Any] = [
+        *START,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    assert client.chat.completions.create(model="p", messages=ordinary).choices
+    nodes = control.document(trajectory["id"]).json()["nodes"]
+    assert [n["message"] for n in nodes[:4]] == ordinary
+
+
 def test_token_replies_are_replayed_to_retries(
     control: Control, scripted_engine: ScriptedEngine
 ) -> None:

@@ -13,7 +13,14 @@ import pytest
 
 from skycap.mock.engine import Reply as EngineReply
 from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
-from skycap.tokens.backend import _SHARED_INTS, SHARED_INT_LIMIT, TokenBackend, _interned
+from skycap.tokens.backend import (
+    _SHARED_INTS,
+    ENGINE_EXCERPT_LIMIT,
+    SHARED_INT_LIMIT,
+    TokenBackend,
+    _interned,
+    engine_status_message,
+)
 from skycap.tokens.engine import VLLMEngine
 from skycap.tokens.renderer import LibraryRenderer
 from skycap.trajectory import FAILED, FINISHED, Trajectory
@@ -207,6 +214,7 @@ async def test_refusals_before_inference_record_nothing(
     assert reply.status == status and not reply.replayable
     assert error_of(reply)["code"] == code and message in error_of(reply)["message"]
     assert engine.requests == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
+    assert traj.context_length_exceeded is (code == "context_length_exceeded")
 
 
 async def test_plan_errors_are_400_before_inference(
@@ -219,6 +227,55 @@ async def test_plan_errors_are_400_before_inference(
     reply = await backend.chat(traj, chat_body([{"content": "no role"}]))
     assert reply.status == 400 and error_of(reply)["type"] == "invalid_request_error"
     assert engine.requests == [] and traj.failures == [] and traj.is_open
+
+
+@pytest.mark.parametrize("role", ["developer", "narrator"])
+async def test_a_message_the_template_drops_is_a_plan_error_naming_it(
+    engine: ScriptedEngine, make_backend: Any, role: str
+) -> None:
+    backend = make_backend()
+    traj = trajectory(backend)
+    dropped = {"role": role, "content": "Always answer in French"}
+    reply = await backend.chat(traj, chat_body([dropped, {"role": "user", "content": "x"}]))
+    assert reply.status == 400 and error_of(reply)["code"] is None
+    assert error_of(reply)["message"] == (
+        f"message 0 (role '{role}') renders to no tokens with this chat template, so the "
+        "model would never see it; send it with a role the template renders, such as 'system'"
+    )
+    assert engine.requests == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
+    # Later in the history, where the turn would bridge: refused the same way, by position.
+    messages = await run_episode(backend, traj, 1)
+    nodes, requests = len(traj.graph), len(engine.requests)
+    later = [*messages, dropped, {"role": "user", "content": "y"}]
+    reply = await backend.chat(traj, chat_body(later))
+    assert reply.status == 400
+    assert error_of(reply)["message"].startswith(f"message {len(messages)} (role '{role}')")
+    assert len(traj.graph) == nodes and len(engine.requests) == requests and traj.failures == []
+
+
+async def test_messages_with_nothing_to_render_may_get_no_tokens(make_backend: Any) -> None:
+    backend = make_backend()
+    traj = trajectory(backend)
+    empty = [{"role": "developer", "content": ""}, {"role": "user", "content": "x"}]
+    answer(await backend.chat(traj, chat_body(empty)))
+    first = traj.graph[0]
+    assert first.message == empty[0] and first.tokens.length == 0
+    assert traj.graph[1].tokens.length > 0
+
+
+async def test_an_ordinary_tool_conversation_renders_every_message(make_backend: Any) -> None:
+    backend = make_backend()
+    traj = trajectory(backend)
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    messages = [
+        *START,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    answer(await backend.chat(traj, chat_body(messages)))
+    clients = [node for node in traj.graph if not node.is_model]
+    assert [node.message for node in clients] == messages
+    assert all(node.tokens.length > 0 for node in clients)
 
 
 async def test_stream_true_answers_one_buffered_sse_body(make_backend: Any) -> None:
@@ -302,6 +359,24 @@ async def test_engine_failures_answer_502_and_keep_the_trajectory_open(
     assert failure["status"] == failure_status and error in failure["error"]
     assert traj.is_open and len(traj.graph) == 0
     answer(await backend.chat(traj, chat_body(START)))  # the next call works
+
+
+async def test_an_engine_error_status_quotes_the_engine_body(
+    engine: ScriptedEngine, make_backend: Any
+) -> None:
+    backend = make_backend(upstream_url=engine.url + "/v1")  # the usual wrong root
+    traj = trajectory(backend)
+    reply = await backend.chat(traj, chat_body(START))
+    body = '{"error":{"message":"no route /v1/inference/v1/generate"}}'
+    assert reply.status == 502 and error_of(reply)["message"] == f"engine returned HTTP 404: {body}"
+    assert traj.failures[0]["status"] == 404 and traj.failures[0]["error"] == body
+
+
+def test_engine_status_messages_collapse_whitespace_and_cut_long_bodies() -> None:
+    assert engine_status_message(503, "") == "engine returned HTTP 503"
+    assert engine_status_message(400, " bad\n\t  value ") == "engine returned HTTP 400: bad value"
+    long = engine_status_message(500, "x" * 5000)
+    assert long == "engine returned HTTP 500: " + "x" * (ENGINE_EXCERPT_LIMIT - 1) + "…"
 
 
 @pytest.mark.parametrize("fault", ["experts_rank", "experts_coverage"])

@@ -304,6 +304,81 @@ def test_full_render_client_node_must_end_on_its_message_boundary() -> None:
     assert p.parent is None and [m.ids.tolist() for m in p.new] == [[7, 100, 200, 4]]
 
 
+class DropsAsides(FakeRenderer):
+    """Renders no tokens at all for role `aside`, as Qwen3's template does for unknown roles."""
+
+    def render(self, messages: list[dict[str, Any]], tools: Any) -> Rendered:
+        ids: list[int] = []
+        indices: list[int] = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "aside":
+                ids += [7, 100 + i, 200]
+                indices += [-1, i, i]
+        return Rendered([*ids, 8], [*indices, -1])
+
+
+CALLS = [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize(
+    "aside",
+    [
+        {"role": "aside", "content": "x"},
+        {"role": "aside", "content": [{"type": "text", "text": "x"}]},
+        {"role": "aside", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+        {"role": "aside", "content": None, "tool_calls": CALLS},
+        {"role": "aside", "content": "", "reasoning_content": "hmm"},
+    ],
+)
+def test_a_message_with_content_that_renders_to_no_tokens_is_a_plan_error(
+    aside: dict[str, Any],
+) -> None:
+    messages = [USER_A, aside, {"role": "user", "content": "b"}]
+    with pytest.raises(PlanError) as refused:
+        plan(new_trajectory(), DropsAsides(), messages, tools=None)
+    assert str(refused.value) == (
+        "message 1 (role 'aside') renders to no tokens with this chat template, so the model "
+        "would never see it; send it with a role the template renders, such as 'system'"
+    )
+
+
+@pytest.mark.parametrize(
+    "aside",
+    [
+        {"role": "aside"},
+        {"role": "aside", "content": ""},
+        {"role": "aside", "content": None, "tool_calls": [], "reasoning_content": None},
+        {"role": "aside", "content": [{"type": "text", "text": ""}]},
+    ],
+)
+def test_a_message_with_nothing_to_render_still_gets_its_empty_chunk(
+    aside: dict[str, Any],
+) -> None:
+    p = plan(new_trajectory(), DropsAsides(), [USER_A, aside], tools=None)
+    assert [m.message for m in p.new] == [USER_A, aside]
+    assert [m.ids.tolist() for m in p.new] == [[7, 100, 200], []]
+
+
+def test_a_bridge_that_drops_a_message_gives_way_to_the_full_render() -> None:
+    traj = new_trajectory()
+    fake_turn(traj, FakeRenderer(), [USER_A])
+
+    class BridgeDropsTools(FakeRenderer):
+        def bridge(self, prompt: Any, completion: Any, new: Any, *args: Any) -> Rendered:
+            ids, indices = [*prompt, *completion], []
+            for i, message in enumerate(new):
+                if message["role"] != "tool":
+                    ids += [7, 150 + i, 200]
+                    indices += [-1, i, i]
+            return Rendered([*ids, 8], [*indices, -1], reused=len(prompt) + len(completion))
+
+    tool = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    messages = [USER_A, {"role": "assistant", "content": "ok"}, tool, USER_A]
+    p = plan(traj, BridgeDropsTools(), messages, tools=None)
+    assert p.bridged is False
+    assert all(m.ids.shape[0] > 0 for m in p.new) and p.new[-2].message == tool
+
+
 @pytest.mark.parametrize(
     ("indices", "error"),
     [

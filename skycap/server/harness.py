@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from mitmproxy import http
 
-from skycap.server.keys import authorized, raw_header
+from skycap.server.keys import authorized, bearer_key, raw_header
 from skycap.server.options import ServerOptions
 from skycap.server.retry import Conflict, Entry, Replay, call_key
 from skycap.server.store import UNKNOWN, Live, TrajectoryStore
@@ -64,7 +64,7 @@ class Harness:
 
     async def models(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> None:
         """The model list: the upstream's, forwarded (text), or the backend's (tokens)."""
-        live = self._admit(flow, trajectory_id, proxied)
+        live = await self._admit(flow, trajectory_id, proxied)
         if live is None:
             return
         live.touch()
@@ -78,7 +78,7 @@ class Harness:
         self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, raw: bytes
     ) -> TextCall | None:
         """Steps 1-5 of http.md §3, then the call; returns a text-mode call to the hooks."""
-        live = self._admit(flow, trajectory_id, proxied)
+        live = await self._admit(flow, trajectory_id, proxied)
         if live is None:
             return None
         try:
@@ -94,15 +94,15 @@ class Harness:
         await self._token_chat(flow, live, body, entry)
         return None
 
-    def _admit(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+    async def _admit(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
         """The gate, then whether this server can forward the call at all (D-8)."""
-        live = self._gate(flow, trajectory_id, proxied)
+        live = await self._gate(flow, trajectory_id, proxied)
         if live is None or self.text is None or self.text.has_upstream or proxied:
             return live
         harness_error(flow, 502, NO_UPSTREAM)
         return None
 
-    def _gate(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+    async def _gate(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
         """Steps 1-3 of http.md §3; answers the flow and returns None when a step fails.
 
         Through the proxy, step 3 already happened on the proxy credentials (D-24): the
@@ -111,7 +111,9 @@ class Harness:
         live = self.store.get(trajectory_id) if is_trajectory_id(trajectory_id) else None
         if live is None:
             if self.store.on_disk(trajectory_id):
-                harness_error(flow, 410, "trajectory has ended", "trajectory_closed")
+                harness_error(
+                    flow, 410, await self._ended_message(trajectory_id), "trajectory_closed"
+                )
             else:
                 harness_error(flow, 404, UNKNOWN)
             return None
@@ -122,10 +124,18 @@ class Harness:
         if self.require_api_key and not proxied:
             header = raw_header(flow.request.headers.fields, b"authorization")
             if not authorized(header, live.api_key):
-                message = "this trajectory's api_key is required"
-                harness_error(flow, 401, message, "invalid_api_key")
+                harness_error(flow, 401, key_refusal(header), "invalid_api_key")
                 return None
         return live
+
+    async def _ended_message(self, trajectory_id: str) -> str:
+        """Step 1's 410 message: a record written open at a shutdown is not ended (http.md §6)."""
+        if await self.store.written_unended(trajectory_id):
+            return (
+                "trajectory was written to disk when the server stopped; it takes no more "
+                f"calls, finish it with POST /trajectories/{trajectory_id}/finish"
+            )
+        return "trajectory has ended"
 
     async def _deduplicate(self, flow: http.HTTPFlow, live: Live, raw: bytes) -> Entry | None:
         """Step 5 (http.md §5): answer a retry from its original, or register this call."""
@@ -184,6 +194,16 @@ class Harness:
         elif not live.trajectory.is_open:
             live.cancel_inflight()
         respond(flow, reply.status, reply.body, reply.headers)
+
+
+def key_refusal(header: bytes | None) -> str:
+    """The 401 message (http.md §3 step 3), saying why when a key was sent."""
+    message = "this trajectory's api_key is required"
+    if not header:
+        return message
+    if bearer_key(header) is None:
+        return f"{message}: send it as `Authorization: Bearer <api_key>`"
+    return f"{message}: the key sent is not this trajectory's"
 
 
 def _token_call(body: bytes, t_start: float) -> dict[str, Any]:

@@ -39,17 +39,25 @@ def _split_scheme(header: bytes) -> tuple[bytes, bytes] | None:
     return value[:cut].lower(), value[cut:].strip(_WHITESPACE)
 
 
+def bearer_key(header: bytes) -> bytes | None:
+    """The key of a `Bearer` header value, None when the value is not one.
+
+    The scheme is matched case-insensitively and any whitespace may separate it from the key.
+    """
+    parts = _split_scheme(header)
+    if parts is None or parts[0] != _BEARER:
+        return None
+    return parts[1]
+
+
 def authorized(header: bytes | None, key: bytes) -> bool:
     """Whether an `Authorization` header value carries `key` as a bearer token.
 
     The header is compared as raw bytes (mitmproxy hands over undecoded header bytes), so
-    a non-UTF-8 or non-ASCII value is simply a mismatch, never an error. The scheme is
-    matched case-insensitively and any whitespace may separate it from the key.
+    a non-UTF-8 or non-ASCII value is simply a mismatch, never an error.
     """
-    parts = _split_scheme(header) if header else None
-    if parts is None or parts[0] != _BEARER:
-        return False
-    return hmac.compare_digest(parts[1], key)
+    sent = bearer_key(header) if header else None
+    return sent is not None and hmac.compare_digest(sent, key)
 
 
 def basic_credentials(header: bytes) -> tuple[bytes, bytes] | None:

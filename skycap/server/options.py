@@ -162,6 +162,13 @@ class ServerOptions:
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as exc:
             raise ValueError(f"{_name('upstream_url')} {self.upstream_url!r}: {exc}") from None
+        if self.mode == "tokens" and self.upstream_path.lower().endswith("/v1"):
+            # Token mode appends /inference/v1/generate and /v1/models to the root, so a
+            # root ending in /v1 would only ever reach /v1/inference/... and /v1/v1/models.
+            raise ValueError(
+                f"{_name('upstream_url')} {self.upstream_url!r} ends in /v1, but token mode "
+                "wants the engine root, e.g. http://engine:8000, not .../v1: drop the /v1"
+            )
 
     def _check_numbers(self) -> None:
         _positive(self.ttl, "ttl")

@@ -155,6 +155,22 @@ class TrajectoryStore:
             return False
         return document_path(self.record_dir, trajectory_id).is_file()
 
+    async def written_unended(self, trajectory_id: str) -> bool:
+        """Whether the record on disk was written before the trajectory ended (at a shutdown,
+        http.md §6), so a harness can be told to finish it rather than that it has ended.
+
+        An unreadable record counts as ended: its finish will report what is wrong with it.
+        """
+        if not self.on_disk(trajectory_id):
+            return False
+        assert self.record_dir is not None
+        path = document_path(self.record_dir, trajectory_id)
+        try:
+            document = await asyncio.to_thread(read_document, path)
+        except (RecordError, OSError):
+            return False
+        return document.get("ended") is False
+
     def _lock_for(self, trajectory_id: str) -> asyncio.Lock:
         lock = self._locks.get(trajectory_id)
         if lock is None:
@@ -469,6 +485,7 @@ def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | No
             "samples": samples,
             "unbridged_calls": trajectory.unbridged_calls(),
             "record": record,
+            "context_length_exceeded": trajectory.context_length_exceeded,
         }
     )
 

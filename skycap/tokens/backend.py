@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 30.0
 RELEASE_TIMEOUT = 10.0
 ENGINE_ERROR_BODY_LIMIT = 2000
+#: Characters of an engine's error body quoted in the harness's 502/5xx message.
+ENGINE_EXCERPT_LIMIT = 300
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 #: Token ids below this share one int object each in the lists kept between turns (D-27);
 #: the table grows to the largest id seen, at most 2**18 entries (~10 MB), once per process.
@@ -178,7 +180,7 @@ class TokenBackend:
         tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
         model = self.model or model_key(body.get("model"))
         plan = await self._plan(trajectory, body["messages"], tools, model, state.last_turn)
-        room = self._check_limits(body, len(plan.prompt_ids))
+        room = self._check_limits(trajectory, body, len(plan.prompt_ids))
         sampling, request = self._engine_request(body, plan, room, model)
         output = await self._generate(trajectory, request, plan.routes_from)
         stored, answered = await self._reply_messages(trajectory, plan, output, tools)
@@ -255,7 +257,9 @@ class TokenBackend:
         except PlanError as exc:
             raise _TurnFailed(_error(400, str(exc))) from exc
 
-    def _check_limits(self, body: dict[str, Any], prompt_tokens: int) -> int | None:
+    def _check_limits(
+        self, trajectory: Trajectory, body: dict[str, Any], prompt_tokens: int
+    ) -> int | None:
         """Refusals before inference (http.md §9.2 steps 3-4); returns the room left, if bounded."""
         bound = body.get("max_prompt_tokens")
         if bound is not None:
@@ -264,24 +268,18 @@ class TokenBackend:
                     _error(400, f"max_prompt_tokens must be a non-negative integer, got {bound!r}")
                 )
             if prompt_tokens > bound:
-                raise _TurnFailed(
-                    _error(
-                        400,
-                        f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens={bound}",
-                        CONTEXT_LENGTH_EXCEEDED,
-                    )
+                raise _too_long(
+                    trajectory,
+                    f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens={bound}",
                 )
         if self.max_model_len is None:
             return None
         room = self.max_model_len - prompt_tokens
         if room <= 0:
-            raise _TurnFailed(
-                _error(
-                    400,
-                    f"prompt of {prompt_tokens} tokens leaves no room within "
-                    f"max_model_len={self.max_model_len}",
-                    CONTEXT_LENGTH_EXCEEDED,
-                )
+            raise _too_long(
+                trajectory,
+                f"prompt of {prompt_tokens} tokens leaves no room within "
+                f"max_model_len={self.max_model_len}",
             )
         return room
 
@@ -294,7 +292,9 @@ class TokenBackend:
             if status != 200:
                 text = content[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")
                 trajectory.add_failure(status, text)
-                reply = _error(status if status >= 500 else 502, f"engine returned HTTP {status}")
+                reply = _error(
+                    status if status >= 500 else 502, engine_status_message(status, text)
+                )
                 raise _TurnFailed(reply)
             try:
                 data = orjson.loads(content)
@@ -488,6 +488,26 @@ def _interned(ids: Sequence[int], start: int) -> list[int]:
             _SHARED_INTS.extend(range(len(_SHARED_INTS), top + 1))
     shared, size = _SHARED_INTS, len(_SHARED_INTS)
     return ids[:start] + [shared[t] if type(t) is int and 0 <= t < size else t for t in tail]
+
+
+def engine_status_message(status: int, body: str) -> str:
+    """`engine returned HTTP <N>: <excerpt>` for the harness, so the cause is visible where
+    the call failed (a 404 from a wrong --upstream-url, an engine's validation error).
+
+    The excerpt is the body with whitespace collapsed, cut to ENGINE_EXCERPT_LIMIT
+    characters; the failure entry keeps the body itself (http.md §9.8).
+    """
+    excerpt = " ".join(body.split())
+    if len(excerpt) > ENGINE_EXCERPT_LIMIT:
+        excerpt = excerpt[: ENGINE_EXCERPT_LIMIT - 1] + "…"
+    message = f"engine returned HTTP {status}"
+    return f"{message}: {excerpt}" if excerpt else message
+
+
+def _too_long(trajectory: Trajectory, message: str) -> _TurnFailed:
+    """A `context_length_exceeded` refusal, remembered for the finish answer (http.md §2.3)."""
+    trajectory.context_length_exceeded = True
+    return _TurnFailed(_error(400, message, CONTEXT_LENGTH_EXCEEDED))
 
 
 def _error(status: int, message: str, code: str | None = None) -> Reply:

@@ -8,7 +8,7 @@ and may register respelling aliases; nodes are only added by the commit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +208,8 @@ def _bridge(
         return None
     tail = np.asarray(result.token_ids[reused:], dtype=np.int32)
     chunks, scaffold = attribute(tail, result.message_indices, len(new_messages))
+    if _unrendered(new_messages, chunks) is not None:
+        return None  # the full render decides, and refuses if it drops the message too
     return _plan(
         result.token_ids, path, messages, carried, chunks, scaffold, bridged=True, reused=reused
     )
@@ -348,8 +350,20 @@ def _plan(
     bridged: bool | None,
     reused: int,
 ) -> Plan:
-    """The plan keeping `path` (its `reused` tokens) and adding messages[len(path):] as `chunks`."""
+    """The plan keeping `path` (its `reused` tokens) and adding messages[len(path):] as `chunks`.
+
+    PlanError when a new message with content got no tokens: the template dropped it, so
+    the engine would never see it while its node would claim it was part of the prompt.
+    """
     kept = len(path)
+    dropped = _unrendered(messages[kept:], chunks)
+    if dropped is not None:
+        message = messages[kept + dropped]
+        raise PlanError(
+            f"message {kept + dropped} (role {message.get('role')!r}) renders to no tokens "
+            "with this chat template, so the model would never see it; send it with a role "
+            "the template renders, such as 'system'"
+        )
     new = zip(messages[kept:], carried[kept:], chunks, strict=True)
     return Plan(
         prompt_ids=prompt_ids,
@@ -360,6 +374,43 @@ def _plan(
         reused=reused,
         routes_from=_routes_from(path, reused),
     )
+
+
+def _unrendered(messages: Sequence[Mapping[str, Any]], chunks: list[np.ndarray]) -> int | None:
+    """Position of the first message that carries content but got an empty chunk, if any.
+
+    A message with nothing to render (empty content, no tool calls, no reasoning) may
+    have an empty chunk (graph.md §7.4).
+    """
+    for position, (message, chunk) in enumerate(zip(messages, chunks, strict=True)):
+        if chunk.shape[0] == 0 and _carries_content(message):
+            return position
+    return None
+
+
+def _carries_content(message: Mapping[str, Any]) -> bool:
+    """Whether a message holds anything the model could be shown."""
+    content = message.get("content")
+    if isinstance(content, list):
+        has_content = any(_part_has_content(part) for part in content)
+    else:
+        has_content = isinstance(content, str) and content != ""
+    reasoning = message.get("reasoning_content")
+    return (
+        has_content
+        or bool(message.get("tool_calls"))
+        or (isinstance(reasoning, str) and reasoning != "")
+    )
+
+
+def _part_has_content(part: Any) -> bool:
+    """A non-empty text part, or any media part (an image is content too)."""
+    if not isinstance(part, Mapping):
+        return False
+    if part.get("type", "text") != "text":
+        return True
+    text = part.get("text")
+    return isinstance(text, str) and text != ""
 
 
 def _routes_from(path: list[Node], reused: int) -> int:
