@@ -75,6 +75,14 @@ def run(args: argparse.Namespace) -> int:
     from skycap.server.addon import SkycapAddon
     from skycap.server.runner import serve
 
+    if options.mode == "tokens" and options.tokenizer is not None:
+        # A hub name may download (or, offline, retry for minutes): say what is happening.
+        print(
+            f"skycap: loading tokenizer {options.tokenizer} (a hub name downloads unless it is "
+            "cached; HF_HUB_OFFLINE=1 uses the cache only)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         addon = SkycapAddon(options)  # token mode loads its tokenizer here
     except Exception as exc:  # a bad tokenizer or engine setting: say so, no traceback
