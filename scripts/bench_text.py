@@ -67,7 +67,7 @@ class Retarget:
 
 def role_proxy(kind: str, upstream_url: str) -> None:
     from skycap.server.options import ServerOptions
-    from skycap.server.runner import serve
+    from skycap.server.runner import serve, settle_garbage_collector
 
     options = ServerOptions(upstream_url)
     addons = None
@@ -79,9 +79,12 @@ def role_proxy(kind: str, upstream_url: str) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_reader(sys.stdin.fileno(), stop.set)
-        await serve(
-            options, ready=lambda url: print(url, flush=True), stop_event=stop, addons=addons
-        )
+
+        def ready(url: str) -> None:
+            settle_garbage_collector()  # as `skycap serve` does, for both proxies alike
+            print(url, flush=True)
+
+        await serve(options, ready=ready, stop_event=stop, addons=addons)
 
     asyncio.run(main())
 

@@ -22,20 +22,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(serve_parser=parser)
 
 
-def _settle_garbage_collector() -> None:
-    """Freeze start-up objects and collect young garbage less often (D-27).
-
-    Token mode keeps long histories alive; with the default threshold the collector's
-    work grows with them. Only `skycap serve` does this: it owns its process, while an
-    embedding trainer keeps its own GC settings.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
-
-
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -55,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("skycap.server")
 
     def ready(url: str) -> None:
-        _settle_garbage_collector()
+        settle_garbage_collector()
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
@@ -73,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
     from skycap.server.addon import SkycapAddon
-    from skycap.server.runner import serve
+    from skycap.server.runner import serve, settle_garbage_collector
 
     if options.mode == "tokens" and options.tokenizer is not None:
         # A hub name may download (or, offline, retry for minutes): say what is happening.
