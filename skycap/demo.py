@@ -104,27 +104,30 @@ async def _streamed_message(client: Any, messages: list[dict[str, Any]]) -> Any:
     return completion.choices[0].message
 
 
-def _reward(answer: str) -> float:
-    return 1.0 if answer.startswith("Done") else 0.0
+def _reward(answer: str, report: RolloutReport) -> float:
+    """An answer scores 1, discounted for calls beyond the three a clean episode needs."""
+    return min(1.0, 3 / report.turns) if answer.startswith("Done") else 0.0
 
 
 async def agent(client: Any, report: RolloutReport, progress: Callable[[], None]) -> float:
     messages = [SYSTEM, {"role": "user", "content": f"Investigate {report.name}."}]
-    return _reward(await _agent_turns(client, messages, report, progress))
+    return _reward(await _agent_turns(client, messages, report, progress), report)
 
 
 async def streaming_agent(
     client: Any, report: RolloutReport, progress: Callable[[], None]
 ) -> float:
     messages = [SYSTEM, {"role": "user", "content": "Investigate the streamed notes."}]
-    return _reward(await _agent_turns(client, messages, report, progress, stream=True))
+    answer = await _agent_turns(client, messages, report, progress, stream=True)
+    return _reward(answer, report)
 
 
 async def compacting_agent(
     client: Any, report: RolloutReport, progress: Callable[[], None]
 ) -> float:
     messages = [SYSTEM, {"role": "user", "content": "Investigate a long task, then compact."}]
-    return _reward(await _agent_turns(client, messages, report, progress, compact_after=2))
+    answer = await _agent_turns(client, messages, report, progress, compact_after=2)
+    return _reward(answer, report)
 
 
 async def resampling_agent(
@@ -137,7 +140,7 @@ async def resampling_agent(
     )
     report.turns += 1
     progress()
-    return _reward(await _agent_turns(client, messages, report, progress))
+    return _reward(await _agent_turns(client, messages, report, progress), report)
 
 
 ROLLOUTS: dict[str, Callable[..., Awaitable[float]]] = {
@@ -182,7 +185,14 @@ async def run_rollouts(
 
     async def one(name: str, harness: Callable[..., Awaitable[float]]) -> RolloutReport:
         report = RolloutReport(name)
-        meta = {"task": name, "step": step, "instance_id": name, "repetition_id": 0}
+        # One prompt, several rollouts: a GRPO-style group, as the viewer shows it.
+        meta = {
+            "task": "investigate",
+            "harness": name,
+            "step": step,
+            "instance_id": "investigate",
+            "repetition_id": list(ROLLOUTS).index(name),
+        }
         async with pool.trajectory(meta) as trajectory:
             report.trajectory_id = trajectory.id
             client = AsyncOpenAI(
@@ -314,7 +324,7 @@ def report(
             r.trajectory_id,
             r.status,
             str(r.turns),
-            f"{r.reward:.1f}",
+            f"{r.reward:.2f}",
             str(r.paths),
             str(r.trained_tokens) if mode == "tokens" else "-",
         )
