@@ -12,6 +12,7 @@ import orjson
 import zstandard
 
 from skycap.graph import Graph, Tokens
+from skycap.record.frames import FrameError, zstd_frames
 from skycap.record.layout import (
     DOCUMENT_SUFFIX,
     DTYPES,
@@ -30,11 +31,6 @@ SIDECAR_ARRAYS = {
     "experts": ("routed_experts",),
     "sampling_mask": ("ids", "offsets"),
 }
-
-ZSTD_MAGIC = 0xFD2FB528
-SKIPPABLE_MAGIC = 0x184D2A50  # the low 4 bits are free (0x184D2A50-0x184D2A5F)
-_FRAME_CONTENT_SIZE_BYTES = (0, 2, 4, 8)
-_DICT_ID_BYTES = (0, 1, 2, 4)
 
 
 class RecordError(Exception):
@@ -156,7 +152,10 @@ def decompress_file(path: Path) -> bytes:
 
 
 def _decompress_frame(data: mmap.mmap, path: Path) -> bytes:
-    frames = _frames(data, path)
+    try:
+        frames = zstd_frames(data)
+    except FrameError as exc:
+        raise RecordError(f"ZstdError: {path.name}: {exc}") from None
     if len(frames) != 1:
         raise RecordError(f"{path} has {len(frames)} zstd frames (format.md: one)")
     start, end = frames[0]
@@ -169,71 +168,6 @@ def _decompress_frame(data: mmap.mmap, path: Path) -> bytes:
             return decompressor.decompressobj().decompress(frame)
         except zstandard.ZstdError as exc:
             raise RecordError(f"ZstdError: {path.name}: corrupt zstd frame: {exc}") from None
-
-
-def _frames(data: mmap.mmap, path: Path) -> list[tuple[int, int]]:
-    """(start, end) of each zstd data frame; skippable frames are passed over (§4)."""
-    frames = []
-    pos = 0
-    while pos < len(data):
-        if len(data) - pos < 4:
-            if _is_magic_prefix(data[pos:]):
-                raise _truncated(path, pos, data)
-            raise RecordError(f"ZstdError: {path.name}: not a zstd frame at byte {pos}")
-        magic = int.from_bytes(data[pos : pos + 4], "little")
-        if magic & 0xFFFFFFF0 == SKIPPABLE_MAGIC:
-            if len(data) - pos < 8:
-                raise _truncated(path, pos, data)
-            end = pos + 8 + int.from_bytes(data[pos + 4 : pos + 8], "little")
-        elif magic == ZSTD_MAGIC:
-            end = _frame_end(data, pos, path)
-            frames.append((pos, end))
-        else:
-            raise RecordError(f"ZstdError: {path.name}: not a zstd frame at byte {pos}")
-        if end > len(data):
-            raise _truncated(path, pos, data)
-        pos = end
-    return frames
-
-
-def _is_magic_prefix(tail: bytes) -> bool:
-    """Whether a non-empty tail shorter than a magic number starts one (a cut-off frame)."""
-    skippable_rest = SKIPPABLE_MAGIC.to_bytes(4, "little")[1:]
-    return ZSTD_MAGIC.to_bytes(4, "little").startswith(tail) or (
-        tail[0] >> 4 == 5 and skippable_rest.startswith(tail[1:])
-    )
-
-
-def _frame_end(data: mmap.mmap, start: int, path: Path) -> int:
-    """Where the frame at `start` ends, found from its header and block headers (RFC 8878)."""
-    if len(data) - start < 5:
-        raise _truncated(path, start, data)
-    descriptor = data[start + 4]
-    single_segment = (descriptor >> 5) & 1
-    fcs_bytes = _FRAME_CONTENT_SIZE_BYTES[descriptor >> 6] or single_segment
-    cursor = start + 5 + (1 - single_segment) + _DICT_ID_BYTES[descriptor & 3] + fcs_bytes
-    while True:
-        if cursor + 3 > len(data):
-            raise _truncated(path, start, data)
-        header = int.from_bytes(data[cursor : cursor + 3], "little")
-        block_type = (header >> 1) & 3
-        if block_type == 3:
-            raise RecordError(f"ZstdError: {path.name}: reserved zstd block type at byte {cursor}")
-        cursor += 3 + (1 if block_type == 1 else header >> 3)
-        if header & 1:
-            break
-    if (descriptor >> 2) & 1:
-        cursor += 4  # content checksum
-    if cursor > len(data):
-        raise _truncated(path, start, data)
-    return cursor
-
-
-def _truncated(path: Path, start: int, data: mmap.mmap) -> RecordError:
-    return RecordError(
-        f"ZstdError: {path.name}: truncated zstd frame at byte {start} "
-        f"(the file has {len(data)} bytes)"
-    )
 
 
 def _json_type(value: Any) -> str:

@@ -18,20 +18,15 @@ import numpy as np
 import orjson
 import zstandard
 
+from skycap.record.frames import FrameError, zstd_frames
 from skycap.record.layout import DOCUMENT_SUFFIX, DTYPES, FORMAT_VERSION
 from skycap.record.layout import KINDS as SIDECAR_KINDS
 from skycap.trajectory import STATUSES
 from skycap.viewer.derive import as_dict, as_list, is_int, malformed_kinds
 
-ZSTD_MAGIC = 0xFD2FB528
-SKIPPABLE_MASK, SKIPPABLE_BASE = 0xFFFFFFF0, 0x184D2A50
 TOKEN_ARRAYS = ("token_ids", "logprobs", "text_offsets", "text")
 PROBLEMS_PER_LINE = 5
 DEFAULT_LIMIT = 20
-
-
-class FrameError(ValueError):
-    """A zstd framing fault (R1); the message is the problem text."""
 
 
 # Stands for a key the document does not have, so `show` can say so.
@@ -42,64 +37,11 @@ def show(value: Any) -> str:
     return orjson.dumps(value).decode() if value is not ABSENT else "absent"
 
 
-def _frame_header_size(data: bytes, start: int) -> int:
-    """Bytes of a zstd frame header after the magic number (RFC 8878 §3.1.1.1)."""
-    if start + 5 > len(data):
-        raise FrameError(f"truncated zstd frame at byte {start}")
-    descriptor = data[start + 4]
-    single_segment = descriptor & 0x20
-    fcs_flag = descriptor >> 6
-    size = 1 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 0x03]
-    size += (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
-    return size
-
-
-def _frame_end(data: bytes, start: int) -> int:
-    """The end of the zstd frame at `start`, walking its block headers."""
-    cursor = start + 4 + _frame_header_size(data, start)
-    checksum = data[start + 4] & 0x04
-    while True:
-        if cursor + 3 > len(data):
-            raise FrameError(f"truncated zstd frame at byte {start}")
-        header = int.from_bytes(data[cursor : cursor + 3], "little")
-        block_type = (header >> 1) & 0x03
-        if block_type == 3:
-            raise FrameError(f"reserved zstd block type at byte {cursor}")
-        cursor += 3 + (1 if block_type == 1 else header >> 3)
-        if header & 1:
-            break
-    cursor += 4 if checksum else 0
-    if cursor > len(data):
-        raise FrameError(f"truncated zstd frame at byte {start}")
-    return cursor
-
-
-def zstd_frames(data: bytes) -> list[tuple[int, int]]:
-    """The (start, end) of every zstd frame; skippable frames are passed over (R1)."""
-    frames = []
-    cursor = 0
-    while cursor < len(data) or not frames:
-        if cursor + 4 > len(data):
-            raise FrameError(f"not a zstd frame at byte {cursor}")
-        magic = int.from_bytes(data[cursor : cursor + 4], "little")
-        if magic & SKIPPABLE_MASK == SKIPPABLE_BASE:
-            if cursor + 8 > len(data):
-                raise FrameError(f"truncated zstd frame at byte {cursor}")
-            cursor += 8 + int.from_bytes(data[cursor + 4 : cursor + 8], "little")
-            if cursor > len(data):
-                raise FrameError(f"truncated zstd frame at byte {cursor}")
-            continue
-        if magic != ZSTD_MAGIC:
-            raise FrameError(f"not a zstd frame at byte {cursor}")
-        end = _frame_end(data, cursor)
-        frames.append((cursor, end))
-        cursor = end
-    return frames
-
-
 def decompress(data: bytes) -> tuple[bytes, int]:
     """The content of every zstd frame, concatenated, and the frame count."""
     frames = zstd_frames(data)
+    if not frames:  # R1: an empty file holds no frame at all
+        raise FrameError("not a zstd frame at byte 0")
     out = []
     for start, end in frames:
         try:
