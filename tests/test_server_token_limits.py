@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from server_fixtures import ServerThread
@@ -39,5 +40,11 @@ async def test_finish_reports_a_context_length_refusal(
             result = await refused.finish({"reward": 0})
             assert result.context_length_exceeded is True and len(result.samples) == 1
             assert (await fitting.finish()).context_length_exceeded is False
-            # Memory only (the record has no field for it): read back from disk, it is False.
-            assert (await refused.finish({"reward": 0})).context_length_exceeded is False
+            # A repeat finish is answered like the first, though the record left memory.
+            assert (await refused.finish({"reward": 0})).context_length_exceeded is True
+    # The flag is not part of the record format: a restarted server cannot know it.
+    with ServerThread(options) as server:
+        async with httpx.AsyncClient() as http:
+            url = f"{server.url}/trajectories/{refused.id}/finish"
+            answer = await http.post(url, json={"annotations": {"reward": 0}})
+        assert answer.status_code == 200 and answer.json()["context_length_exceeded"] is False

@@ -50,6 +50,8 @@ from skycap.wire import control_error
 logger = logging.getLogger("skycap.server")
 
 UNKNOWN = "unknown trajectory"
+# How many ended trajectories' context_length_exceeded flags a server remembers (ids only).
+CONTEXT_EXCEEDED_KEPT = 100_000
 Release = Callable[[str], Awaitable[None]]
 DecodeSpans = Callable[..., Any]
 
@@ -130,6 +132,9 @@ class TrajectoryStore:
         self._release = release
         self._decode_spans = decode_spans
         self._live: dict[str, Live] = {}
+        # Trajectories that left memory after a context_length_exceeded refusal: the record
+        # format has no field for it, so a repeat finish in this process still reports it.
+        self._context_exceeded: dict[str, None] = {}
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._sweeper: asyncio.Task[None] | None = None
         self._record_host: str | None = None
@@ -224,6 +229,7 @@ class TrajectoryStore:
                 if isinstance(loaded, Answer):
                     return loaded
                 trajectory = loaded
+                trajectory.context_length_exceeded = trajectory_id in self._context_exceeded
             return await self._finish_locked(trajectory, live, annotations, paths)
 
     async def _finish_locked(
@@ -278,7 +284,7 @@ class TrajectoryStore:
         """Step 5: write what changed, then drop it from memory; return the `record` object."""
         if self.record_dir is None:
             if live is not None and not self.options.keep_unrecorded and not keep:
-                self._live.pop(trajectory.id, None)
+                self._forget(trajectory)
             return None
         if not changed and not (live is not None and live.unwritten):
             return self._location(trajectory.id) if live is None else None
@@ -288,8 +294,17 @@ class TrajectoryStore:
                 live = self._adopt(trajectory)
             live.unwritten = True
             return None
-        self._live.pop(trajectory.id, None)
+        self._forget(trajectory)
         return self._location(trajectory.id, files)
+
+    def _forget(self, trajectory: Trajectory) -> None:
+        """Drop a written (or unrecordable) trajectory from memory, keeping its one
+        memory-only fact, `context_length_exceeded`, for a later finish."""
+        self._live.pop(trajectory.id, None)
+        if trajectory.context_length_exceeded:
+            self._context_exceeded[trajectory.id] = None
+            if len(self._context_exceeded) > CONTEXT_EXCEEDED_KEPT:
+                del self._context_exceeded[next(iter(self._context_exceeded))]
 
     def _adopt(self, trajectory: Trajectory) -> Live:
         """Keep a trajectory read from disk in memory after its rewrite failed (§2.3 step 5)."""
@@ -454,7 +469,7 @@ class TrajectoryStore:
         if await self._write(trajectory) is None:
             live.unwritten = True
         else:
-            self._live.pop(trajectory.id, None)
+            self._forget(trajectory)
         logger.info("trajectory %s ended by the idle TTL as %s", trajectory.id, trajectory.status)
 
     async def shutdown(self) -> None:
@@ -472,7 +487,7 @@ class TrajectoryStore:
             if not live.trajectory.ended:
                 await self._release_engine(live.id)
             if self.record_dir is not None and await self._write(live.trajectory) is not None:
-                self._live.pop(live.id, None)
+                self._forget(live.trajectory)
 
 
 def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | None) -> bytes:
