@@ -7,7 +7,7 @@ from typing import Any
 
 from skycap.arrays import csr_to_rows
 from skycap.client import Sample
-from skycap.record.reader import document_path, load_trajectory, read_document
+from skycap.record.reader import record_document, trajectory_from_document
 from skycap.samples import (
     BUILTIN_RULES,
     BuiltSample,
@@ -82,5 +82,5 @@ class LoadedRecord:
 def load(record_dir: str | Path, id: str) -> LoadedRecord:
     """Read record `id` from `record_dir`; raises RecordError with a one-line reason."""
     record_dir = Path(record_dir)
-    trajectory = load_trajectory(record_dir, id)
-    return LoadedRecord(trajectory, read_document(document_path(record_dir, id)))
+    document = record_document(record_dir, id)
+    return LoadedRecord(trajectory_from_document(record_dir, document), document)

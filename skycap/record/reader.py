@@ -125,10 +125,23 @@ def load_trajectory(record_dir: Path, trajectory_id: str, *, sidecars: bool = Tr
     None (no tokens at all without the tokens sidecar), as does `sidecars=False`. Rewrite a
     record only from a trajectory loaded with its sidecars.
     """
+    document = record_document(record_dir, trajectory_id)
+    return trajectory_from_document(record_dir, document, sidecars=sidecars)
+
+
+def record_document(record_dir: Path, trajectory_id: str) -> dict[str, Any]:
+    """The document of record `trajectory_id`, refused if it holds another trajectory."""
     path = document_path(record_dir, trajectory_id)
     document = read_document(path)
     if document["id"] != trajectory_id:
         raise RecordError(f"{path} holds trajectory {document['id']!r}, not {trajectory_id!r}")
+    return document
+
+
+def trajectory_from_document(
+    record_dir: Path, document: dict[str, Any], *, sidecars: bool = True
+) -> Trajectory:
+    """The second half of `load_trajectory`, for a caller that also needs the document."""
     trajectory = _trajectory(document)
     arrays = _Sidecars(Path(record_dir), document) if sidecars else None
     for index, entry in enumerate(document["nodes"]):

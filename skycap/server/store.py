@@ -21,7 +21,13 @@ from typing import Any
 import orjson
 
 from skycap.record.layout import KINDS, document_name, sidecar_name
-from skycap.record.reader import RecordError, document_path, load_trajectory, read_document
+from skycap.record.reader import (
+    RecordError,
+    document_path,
+    read_document,
+    record_document,
+    trajectory_from_document,
+)
 from skycap.record.writer import write_record
 from skycap.samples import (
     ALL,
@@ -508,7 +514,7 @@ def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | No
 def _load_complete(record_dir: Path, trajectory_id: str) -> Trajectory:
     """Load a record to end or rewrite it, refusing one whose listed sidecars are gone:
     rewriting it would drop the tokens, experts or masks it still lists."""
-    document = read_document(document_path(record_dir, trajectory_id))
+    document = record_document(record_dir, trajectory_id)
     missing = [
         kind
         for kind, entry in document["sidecars"].items()
@@ -519,7 +525,7 @@ def _load_complete(record_dir: Path, trajectory_id: str) -> Trajectory:
             f"its manifest lists {', '.join(missing)} but the file is not in {record_dir}; "
             "restore it before finishing this trajectory"
         )
-    return load_trajectory(record_dir, trajectory_id)
+    return trajectory_from_document(record_dir, document)
 
 
 def _stored_document(path: Path) -> bytes:
