@@ -50,14 +50,14 @@ def replayed(message: Any) -> dict[str, Any]:
 
 async def episode(
     client: AsyncOpenAI,
-    task: str,
+    task: str | list[dict[str, Any]],
     sampling: dict[str, Any],
     *,
     hook: Hook | None = None,
     max_turns: int = MAX_TURNS,
 ) -> tuple[str, int]:
-    """Run the agent on `task`; (the final answer, calls made)."""
-    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": task}]
+    """Run the agent on `task` (or go on from a history); (the final answer, calls made)."""
+    messages = [SYSTEM, {"role": "user", "content": task}] if isinstance(task, str) else task
     for call in range(max_turns):
         if hook is not None:
             pending = hook(call, messages)
