@@ -17,6 +17,7 @@ from server_fixtures import Control, ServerThread
 from skycap import CapturePool
 from skycap.mock.engine import ScriptedEngine
 from skycap.rollout import Rollout, RolloutResult, RolloutRunner
+from skycap.rollout.progress import BatchProgress
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 256}
 
@@ -327,3 +328,14 @@ def test_bad_arguments_are_refused_with_what_to_do(pool: CapturePool) -> None:
         Rollout(1.0, annotations={"reward": 2.0})
     with pytest.raises(ValueError, match="must be finite"):
         Rollout(float("nan"))
+
+
+def test_the_progress_bar_draws_only_on_a_terminal_unless_asked() -> None:
+    assert BatchProgress("train step 0", 3)._progress is None  # stderr here is no terminal
+    with BatchProgress("train step 0", 3, enabled=True) as shown:
+        shown.retried()
+        shown.done(True)
+        shown.done(False)
+        (task,) = shown._progress.tasks
+        assert task.completed == 2 and task.total == 3
+        assert task.fields["detail"] == "1 retried, 1 failed"
