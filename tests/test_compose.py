@@ -215,6 +215,18 @@ def test_step_rows_of_a_linear_trajectory_rebuild_its_one_path_row(
     assert len(steps[-1]) == len(path_row)
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "failed"])
+def test_each_step_row_holds_its_call_s_prompt_exactly_as_the_engine_saw_it(
+    captured: dict[str, RolloutResult], engine: ScriptedEngine, shape: str
+) -> None:
+    result = captured[shape]
+    steps = one(result, "step")
+    prompts = [s.input_ids[: s.prompt_length].tolist() for s in steps]
+    assert prompts == requests_of(engine, result.trajectory_id)
+    for step in steps:
+        check_aligned(step)
+
+
 @pytest.mark.parametrize("shape", ["resampled", "branched", "compacted"])
 def test_forked_trajectories_train_shared_calls_once_and_final_takes_the_last_path(
     captured: dict[str, RolloutResult], shape: str

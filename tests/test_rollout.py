@@ -15,6 +15,7 @@ from rollout_agents import client_for, episode
 from server_fixtures import Control, ServerThread
 
 from skycap import CapturePool
+from skycap.compose import compose
 from skycap.mock.engine import ScriptedEngine
 from skycap.rollout import Rollout, RolloutResult, RolloutRunner
 from skycap.rollout.progress import BatchProgress
@@ -132,6 +133,13 @@ def check_retried(
     assert first_error in first.error
     old, new = documents(server, [first.id, second.id])
     assert old["ended"] and old["meta"]["attempt"] == 0 and new["meta"]["attempt"] == 1
+    # The superseded attempt is never trained: not composed, and not `trained` in an index.
+    assert {row.trajectory_id for row in compose([result]).rows} == {second.id}
+    trained = {
+        row["id"]: row["trained"]
+        for row in runner.record_log.rows("train", 0, {first.id, second.id})
+    }
+    assert trained == {first.id: False, second.id: True}
     return old
 
 

@@ -330,6 +330,7 @@ class RolloutRunner:
             error = _describe(exc)
             return _stand_in("error", error), error
         except Exception as exc:  # the harness is user code: any failure is a failed attempt
+            logger.debug("rollout %s raised", trajectory.id, exc_info=True)
             error = _describe(exc)
             return _stand_in("error", error), error
         if not isinstance(rollout, Rollout):
