@@ -121,8 +121,9 @@ def qwen3_folder() -> str:
 
 
 @contextlib.contextmanager
-def scripted_capture(record_dir: Path) -> Iterator[str]:
-    """A scripted vLLM engine and a token-mode CaptureService in front of it; yields its URL."""
+def scripted_capture(record_dir: Path) -> Iterator[Any]:
+    """A scripted vLLM engine and a token-mode CaptureService in front of it; yields the
+    running service (`service.pool()` is a CapturePool holding its control token)."""
     from transformers import AutoTokenizer
 
     from skycap import CaptureService
@@ -139,9 +140,9 @@ def scripted_capture(record_dir: Path) -> Iterator[str]:
             renderer_pool_size=1,
             record_dir=str(record_dir),
         )
-        url = service.start()
+        service.start()
         try:
-            yield url
+            yield service
         finally:
             service.stop()
 

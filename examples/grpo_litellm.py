@@ -30,7 +30,7 @@ from calculator_task import (  # noqa: E402
     scripted_capture,
 )
 
-from skycap import CapturePool  # noqa: E402
+from skycap import CapturePool, CaptureService  # noqa: E402
 from skycap.compose import Policy, compose  # noqa: E402
 from skycap.rollout import Rollout, RolloutRunner  # noqa: E402
 
@@ -83,8 +83,8 @@ class LitellmCalculatorAgent(RolloutRunner):
         return Rollout(0.0, annotations={"turns": MAX_TURNS})
 
 
-async def train(url: str) -> None:
-    async with CapturePool([url]) as pool:
+async def train(service: CaptureService) -> None:
+    async with service.pool() as pool:
         runner = LitellmCalculatorAgent(pool, concurrency=8, timeout=60, attempts=2)
         results = await runner.generate(PROMPTS, repeats=4, step=0, sampling=SAMPLING)
         batch = compose(results, "path", policy=Policy(max_seq_len=4096))
@@ -94,8 +94,8 @@ async def train(url: str) -> None:
 
 
 def main() -> None:
-    with scripted_capture(Path("records")) as url:
-        asyncio.run(train(url))
+    with scripted_capture(Path("records")) as service:
+        asyncio.run(train(service))
 
 
 if __name__ == "__main__":

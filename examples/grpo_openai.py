@@ -26,7 +26,7 @@ from calculator_task import (
 )
 from openai import AsyncOpenAI
 
-from skycap import CapturePool
+from skycap import CapturePool, CaptureService
 from skycap.compose import Policy, compose
 from skycap.rollout import Rollout, RolloutRunner
 
@@ -76,8 +76,8 @@ class CalculatorAgent(RolloutRunner):
         return Rollout(0.0, annotations={"turns": MAX_TURNS})
 
 
-async def train(url: str) -> None:
-    async with CapturePool([url]) as pool:
+async def train(service: CaptureService) -> None:
+    async with service.pool() as pool:
         runner = CalculatorAgent(pool, concurrency=8, timeout=60, attempts=2)
         for step in range(2):
             results = await runner.generate(PROMPTS, repeats=4, step=step, sampling=SAMPLING)
@@ -90,8 +90,8 @@ async def train(url: str) -> None:
 
 
 def main() -> None:
-    with scripted_capture(Path("records")) as url:
-        asyncio.run(train(url))
+    with scripted_capture(Path("records")) as service:
+        asyncio.run(train(service))
 
 
 if __name__ == "__main__":
