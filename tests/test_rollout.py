@@ -176,11 +176,11 @@ def test_a_harness_that_hangs_past_its_timeout_is_cancelled_and_retried(
             await never().wait()
         return None
 
-    runner = Agent(pool, behave=behave, timeout=0.5)
+    runner = Agent(pool, behave=behave, timeout=6)
     (result,) = asyncio.run(runner.generate(["Find delta."]))
-    old = check_retried(server, runner, result, "ran past its 0.5 s timeout")
+    old = check_retried(server, runner, result, "ran past its 6 s timeout")
     assert old["annotations"]["stop_reason"] == "agent_timeout"
-    assert old["annotations"]["error"] == "the rollout ran past its 0.5 s timeout"
+    assert old["annotations"]["error"] == "the rollout ran past its 6 s timeout"
 
 
 def test_a_rollout_that_captured_no_call_fails_every_attempt(
