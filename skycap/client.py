@@ -53,6 +53,10 @@ class RecordLocation:
     mirror: str | None = None
     files: tuple[str, ...] = ()
     host: str | None = None
+    # The mirror copy at finish time: pending, copied, excluded (copied without the
+    # excluded sidecar kinds) or failed (with mirror_error); None without a mirror.
+    mirror_state: str | None = None
+    mirror_error: str | None = None
 
     @property
     def local(self) -> str:
@@ -75,6 +79,8 @@ class RecordLocation:
             mirror=_field(obj, "mirror", str, optional=True),
             files=tuple(_field(obj, "files", list, optional=True) or ()),
             host=_field(obj, "host", str, optional=True),
+            mirror_state=_field(obj, "mirror_state", str, optional=True),
+            mirror_error=_field(obj, "mirror_error", str, optional=True),
         )
 
 

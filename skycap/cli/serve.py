@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.serve_parser
     try:
         options = from_values(vars(args))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
 
