@@ -431,7 +431,13 @@ class RecordMirror:
 
         def put() -> None:
             try:
-                self._fs.put_file(str(local), remote)
+                try:
+                    self._fs.put_file(str(local), remote)
+                except FileNotFoundError:
+                    # A file system with real folders (file://) needs the prefix made once;
+                    # object stores have none to make and never get here.
+                    self._fs.makedirs(self._root, exist_ok=True)
+                    self._fs.put_file(str(local), remote)
                 outcome.append(None)
             except BaseException as exc:  # handed to the waiting worker
                 outcome.append(exc)

@@ -107,13 +107,13 @@ class MirrorCache:
 
     def listing(self) -> dict[str, str]:
         """Fingerprints of the visible `*.zst` files at the top level of the mirror."""
+        self.fs.invalidate_cache(self.root)  # fsspec caches listings: see new records
         try:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return {}
         except Exception as exc:
             raise RecordError(f"cannot list {self.label}: {type(exc).__name__}: {exc}") from None
-        self.fs.invalidate_cache(self.root)  # the next listing must see new records
         found = {}
         for entry in entries:
             name = str(entry.get("name", "")).rstrip("/").rpartition("/")[2]
