@@ -1,4 +1,6 @@
-"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts (D-28)."""
+"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts (D-28),
+then the record mirror against S3 (moto on loopback): finish -> copied, and finish latency
+with the mirror on and off."""
 
 from __future__ import annotations
 
@@ -188,5 +190,138 @@ def main() -> None:
         print(f"{name:<{width}}  {value}")
 
 
+# -- the record mirror ---------------------------------------------------------------------
+
+MIRROR_TRAJECTORIES = 200
+MIRROR_ROUNDS = 2
+
+
+def start_s3() -> tuple[object, dict[str, object], str]:
+    """moto's S3 on a free loopback port; (server, storage_options, bucket URL)."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="bench")
+    options = {
+        "endpoint_url": endpoint,
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    return server, options, "s3://bench"
+
+
+def big_record_copy(trajectory: Trajectory, options: dict[str, object], url: str) -> float:
+    """Seconds from submit to copied for the 1M-token record (343 MB in 3 files)."""
+    from skycap.record.mirror import MirrorConfig, RecordMirror
+
+    mirror = RecordMirror(f"{url}/big", MirrorConfig(storage_options=options))
+    with tempfile.TemporaryDirectory(prefix="bench_mirror_") as tmp:
+        files = write_record(trajectory, Path(tmp))
+        started = time.perf_counter()
+        mirror.submit(Path(tmp), TR_ID, files)
+        assert mirror.wait_idle(600), "the big record was not copied within 10 minutes"
+        elapsed = time.perf_counter() - started
+        assert mirror.health()["mirrored"] == 1, mirror.health()
+    mirror.close()
+    return elapsed
+
+
+def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], list[float]]:
+    """(finish ms, finish -> copied ms) over MIRROR_TRAJECTORIES one-call text trajectories."""
+    import httpx
+
+    from skycap import CaptureService
+    from skycap.mock.upstream import ScriptedUpstream
+
+    finish_ms, copied_ms = [], []
+    with (
+        ScriptedUpstream() as upstream,
+        tempfile.TemporaryDirectory(prefix="bench_finish_") as tmp,
+    ):
+        service = CaptureService(upstream.base_url, record_dir=tmp, **(mirror or {}))
+        url = service.start()
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                for _ in range(MIRROR_TRAJECTORIES):
+                    created = http.post("/trajectories", json={}).json()
+                    httpx.post(
+                        f"{created['base_url']}/chat/completions",
+                        json={"model": "p", "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"Authorization": f"Bearer {created['api_key']}"},
+                    ).raise_for_status()
+                    started = time.perf_counter()
+                    answer = http.post(f"/trajectories/{created['id']}/finish", json={}).json()
+                    finished = time.perf_counter()
+                    finish_ms.append((finished - started) * 1000)
+                    if mirror is None:
+                        continue
+                    state = answer["record"]["mirror_state"]
+                    while state == "pending":
+                        record = http.get(f"/trajectories/{created['id']}/record").json()
+                        state = record["mirror_state"]
+                    assert state == "copied", record
+                    copied_ms.append((time.perf_counter() - finished) * 1000)
+        finally:
+            service.stop()
+    return finish_ms, copied_ms
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def mirror_main(trajectory: Trajectory) -> None:
+    server, options, url = start_s3()
+    try:
+        big = big_record_copy(trajectory, options, url)
+        off: list[float] = []
+        on: list[float] = []
+        copied: list[float] = []
+        for n in range(MIRROR_ROUNDS):  # interleaved, so machine load falls on both alike
+            off += finish_latencies(None)[0]
+            config = {"storage_options": options}
+            finish, copy = finish_latencies(
+                {"record_mirror": f"{url}/round-{n}", "record_mirror_config": config}
+            )
+            on += finish
+            copied += copy
+    finally:
+        server.stop()
+    rows = [
+        ("mirror: big record", f"finish -> copied {big:.2f} s for 342.6 MB in 3 files"),
+        *(
+            (
+                f"finish, mirror {label}",
+                f"p50 {percentile(v, 50):.2f} ms, p95 {percentile(v, 95):.2f} ms "
+                f"({len(v)} one-call text trajectories)",
+            )
+            for label, v in (("off", off), ("on", on))
+        ),
+        (
+            "finish -> copied",
+            f"p50 {percentile(copied, 50):.1f} ms, p95 {percentile(copied, 95):.1f} ms "
+            "(one-call text record)",
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
 if __name__ == "__main__":
     main()
+    mirror_main(build_trajectory()[0])
