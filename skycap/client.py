@@ -239,6 +239,19 @@ class Trajectory:
             self.result = result
         return result
 
+    async def record(self) -> RecordLocation:
+        """Where the written record is now, its mirror copy's state included (the finish
+        answer's `record` is taken at finish time); CaptureError 404 before it is written."""
+        url = f"{self.server}/trajectories/{self.id}/record"
+        reply = await self._pool._request("GET", url)
+        try:
+            location = RecordLocation.from_json(reply)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CaptureError(f"GET {url}: malformed record reply: {exc}", 200) from exc
+        if location is None:
+            raise CaptureError(f"GET {url}: expected a JSON object, got null", 200)
+        return location
+
     async def document(self) -> dict[str, Any]:
         url = f"{self.server}/trajectories/{self.id}"
         reply = await self._pool._request("GET", url)

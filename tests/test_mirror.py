@@ -354,3 +354,30 @@ def test_shutdown_waits_at_most_shutdown_timeout(
     assert "2 record(s) not copied" in warning
     assert finished in warning and still_open in warning
     fault_proxy.release()
+
+
+async def test_the_pool_reports_where_a_record_is(make_server, s3: S3, tmp_path: Path) -> None:
+    import asyncio
+
+    from skycap import CapturePool
+
+    options = mirror_options(s3)
+    server = make_server(record_dir=tmp_path, **options)
+    async with CapturePool([server.url]) as pool:
+        trajectory = await pool.create({"task": "t"})
+        client = openai.AsyncOpenAI(
+            base_url=trajectory.base_url, api_key=trajectory.api_key, max_retries=0
+        )
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}]
+        )
+        result = await trajectory.finish({"reward": 1.0})
+        assert result.record is not None
+        assert result.record.mirror == f"{options['record_mirror']}/{trajectory.id}.json.zst"
+        assert result.record.mirror_state in ("pending", "copied")
+        deadline = time.monotonic() + 20
+        while (location := await trajectory.record()).mirror_state == "pending":
+            assert time.monotonic() < deadline, "the copy did not settle"
+            await asyncio.sleep(0.01)
+        assert location.mirror_state == "copied" and location.mirror_error is None
+        assert location.uri == result.record.mirror

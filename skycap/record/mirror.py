@@ -246,6 +246,10 @@ class RecordMirror:
         snapshot = self._pin(record_dir, trajectory_id, names)
         job = _Job(trajectory_id, snapshot, names, excluded=len(names) < len(files))
         with self._lock:
+            if self._closed:  # closed while the files were pinned
+                self._drop(trajectory_id, "the mirror is closed (server shutting down)")
+                _remove(snapshot)
+                return
             old = self._jobs.get(trajectory_id)
             self._jobs[trajectory_id] = job
             self._set_state(trajectory_id, PENDING, None)
