@@ -172,20 +172,21 @@ def test_a_text_capture_is_mirrored_byte_for_byte(make_server, s3: S3, tmp_path:
 
 
 def test_a_rewrite_is_mirrored_again_and_wins(make_server, s3: S3, tmp_path: Path) -> None:
-    """A trajectory the TTL abandoned is written; a late finish with the reward rewrites it
-    and the mirror ends up holding the rewrite."""
+    """A finish without a reward writes the record; a later finish adding the reward
+    rewrites it, and the mirror ends up holding the rewrite."""
     options = mirror_options(s3)
     bucket = options["record_mirror"][5:].partition("/")[0]
-    server = make_server(record_dir=tmp_path, ttl=0.5, sweep_interval=0.05, **options)
+    server = make_server(record_dir=tmp_path, **options)
     control = Control(server.url)
     trajectory_id = one_call(control)
-    wait_for(lambda: (tmp_path / f"{trajectory_id}.json.zst").is_file(), 10, "the TTL write")
+    control.finish(trajectory_id)
     assert settled(control, trajectory_id)["mirror_state"] == "copied"
+    first = (tmp_path / f"{trajectory_id}.json.zst").read_bytes()
     result = control.finish(trajectory_id, annotations={"reward": 0.5}).json()
-    assert result["status"] == "abandoned"
-    assert settled(control, trajectory_id)["mirror_state"] == "copied"
+    assert result["status"] == "finished"
     local = (tmp_path / f"{trajectory_id}.json.zst").read_bytes()
-    wait_for(lambda: counters(control)["mirrored"] == 2, 10, "the second copy")
+    assert local != first
+    wait_for(lambda: counters(control)["mirrored"] == 2, 20, "the second copy")
     assert s3.objects(bucket, "run-7/")[f"{trajectory_id}.json.zst"] == local
 
 
