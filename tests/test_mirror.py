@@ -382,3 +382,17 @@ async def test_the_pool_reports_where_a_record_is(make_server, s3: S3, tmp_path:
             await asyncio.sleep(0.01)
         assert location.mirror_state == "copied" and location.mirror_error is None
         assert location.uri == result.record.mirror
+
+
+def test_skycap_serve_refuses_a_mirror_it_cannot_use(tmp_path: Path, capsys) -> None:
+    from skycap.cli.main import main as skycap_main
+
+    base = ["serve", "--upstream-url", "http://127.0.0.1:9/v1", "--port", "0"]
+    with pytest.raises(SystemExit) as exited:
+        skycap_main([*base, "--record-dir", str(tmp_path), "--record-mirror", "gs://b/p"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "skycap[remote]" in err and "uv sync --extra remote" in err
+    with pytest.raises(SystemExit):
+        skycap_main([*base, "--record-mirror", "memory://m"])
+    assert "--record-dir" in capsys.readouterr().err

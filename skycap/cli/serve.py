@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        if options.record_mirror is not None:
+            from skycap.record.mirror import redact
+
+            lines.append(f"records mirrored to {redact(options.record_mirror)}")
         if addon.proxy is not None:
             lines.append(
                 f"HTTPS_PROXY listener on {options.host}:{addon.proxy.port} "
