@@ -182,8 +182,7 @@ class _Job:
     """One record to copy: its pinned files, in copy order."""
 
     trajectory_id: str
-    snapshot: Path
-    files: list[str]
+    pinned: list[tuple[str, Path]]  # (file name, its pinned link), sidecars first
     excluded: bool
 
 
@@ -208,6 +207,7 @@ class RecordMirror:
         self._closed = False
         self._stop = threading.Event()
         self._sequence = itertools.count()
+        self._folders: set[Path] = set()
         self.counters = {
             "mirrored": 0,
             "failed": 0,
@@ -243,12 +243,11 @@ class RecordMirror:
                     f"the copy queue is full ({self.config.queue_size} records queued)",
                 )
                 return
-        snapshot = self._pin(record_dir, trajectory_id, names)
-        job = _Job(trajectory_id, snapshot, names, excluded=len(names) < len(files))
+        job = _Job(trajectory_id, self._pin(record_dir, names), excluded=len(names) < len(files))
         with self._lock:
             if self._closed:  # closed while the files were pinned
                 self._drop(trajectory_id, "the mirror is closed (server shutting down)")
-                _remove(snapshot)
+                _unpin(job)
                 return
             old = self._jobs.get(trajectory_id)
             self._jobs[trajectory_id] = job
@@ -258,20 +257,27 @@ class RecordMirror:
             self._start_workers()
             self._lock.notify()
         if old is not None:  # the newer write replaces the queued older one
-            _remove(old.snapshot)
+            _unpin(old)
 
-    def _pin(self, record_dir: Path, trajectory_id: str, names: list[str]) -> Path:
-        """Hard-link the files just written, so a later rewrite cannot mix into this copy."""
-        snapshot = (
-            record_dir / SNAPSHOT_DIR / f"{trajectory_id}.{os.getpid()}.{next(self._sequence)}"
-        )
-        snapshot.mkdir(parents=True)
+    def _pin(self, record_dir: Path, names: list[str]) -> list[tuple[str, Path]]:
+        """Hard-link the files just written, so a later rewrite cannot mix into this copy.
+
+        One link per file into one flat folder: the cost a finish pays for the mirror.
+        """
+        folder = record_dir / SNAPSHOT_DIR
+        if folder not in self._folders:
+            folder.mkdir(exist_ok=True)
+            self._folders.add(folder)
+        sequence = next(self._sequence)
+        pinned = []
         for name in names:
+            link = folder / f"{os.getpid()}.{sequence}.{name}"
             try:
-                os.link(record_dir / name, snapshot / name)
+                os.link(record_dir / name, link)
             except OSError:  # a file system without hard links: copy instead
-                shutil.copyfile(record_dir / name, snapshot / name)
-        return snapshot
+                shutil.copyfile(record_dir / name, link)
+            pinned.append((name, link))
+        return pinned
 
     def location(self, trajectory_id: str, files: list[str]) -> dict[str, Any]:
         """The mirror part of a finish answer's `record` object (http.md §2.3, D-42)."""
@@ -309,7 +315,7 @@ class RecordMirror:
             self._stop.set()
             self._lock.notify_all()
         for job in left:
-            _remove(job.snapshot)
+            _unpin(job)
         lost = sorted(job.trajectory_id for job in left) + running
         if lost:
             shown = ", ".join(lost[:20]) + (f" and {len(lost) - 20} more" if len(lost) > 20 else "")
@@ -367,7 +373,7 @@ class RecordMirror:
             except Exception as exc:  # a bug here must not kill the worker
                 state, error = FAILED, _error_text(exc)
             finally:
-                _remove(job.snapshot)
+                _unpin(job)
             with self._lock:
                 self._running.discard(trajectory_id)
                 if trajectory_id in self._jobs:  # a newer write came in while this one copied
@@ -389,9 +395,9 @@ class RecordMirror:
 
     def _copy(self, job: _Job) -> tuple[str, str | None]:
         """Copy the job's files in order, stopping at the first failure."""
-        for name in job.files:
+        for name, pinned in job.pinned:
             try:
-                self._copy_file(job.snapshot / name, f"{self._root}/{name}")
+                self._copy_file(pinned, f"{self._root}/{name}")
             except _Abandoned as exc:
                 with self._lock:
                     self.counters["timed_out"] += 1
@@ -467,6 +473,7 @@ def transient(exc: BaseException) -> bool:
     return any(cls.__name__ in TRANSIENT_NAMES for cls in type(exc).__mro__)
 
 
-def _remove(snapshot: Path) -> None:
-    with contextlib.suppress(OSError):
-        shutil.rmtree(snapshot)
+def _unpin(job: _Job) -> None:
+    for _, link in job.pinned:
+        with contextlib.suppress(OSError):
+            link.unlink()
