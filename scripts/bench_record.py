@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -193,22 +194,42 @@ def main() -> None:
 
 # -- the record mirror ---------------------------------------------------------------------
 
-MIRROR_TRAJECTORIES = 200
-MIRROR_ROUNDS = 2
+MIRROR_TRAJECTORIES = 50
+MIRROR_ROUNDS = 8
+SUBMITS = 500
+# Where the finish benchmark writes records (`--record-root DIR`; default the temp dir):
+# on a busy disk each finish's fsyncs dominate and also flush the mirror's link/unlink.
+RECORD_ROOT = next(
+    (sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == "--record-root"), None
+)
 
 
-def start_s3() -> tuple[object, dict[str, object], str]:
-    """moto's S3 on a free loopback port; (server, storage_options, bucket URL)."""
-    import logging
+def start_s3() -> tuple[subprocess.Popen[bytes], dict[str, object], str]:
+    """moto's S3 in its own process on a free loopback port (so its request handling does
+    not share this process's GIL with the server measured); (process, options, URL)."""
+    import socket
 
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("moto did not start within 60 s") from None
+            time.sleep(0.05)
+    endpoint = f"http://127.0.0.1:{port}"
     boto3.client(
         "s3",
         endpoint_url=endpoint,
@@ -222,7 +243,7 @@ def start_s3() -> tuple[object, dict[str, object], str]:
         "secret": "bench",
         "client_kwargs": {"region_name": "us-east-1"},
     }
-    return server, options, "s3://bench"
+    return process, options, "s3://bench"
 
 
 def big_record_copy(trajectory: Trajectory) -> float:
@@ -246,6 +267,26 @@ def big_record_copy(trajectory: Trajectory) -> float:
     return elapsed
 
 
+def submit_cost() -> list[float]:
+    """Milliseconds a finish's write thread spends handing a record to the mirror (pinning
+    its files and queueing), the only mirror work on the finish path."""
+    from skycap.record.mirror import MirrorConfig, RecordMirror
+
+    mirror = RecordMirror("memory://bench-submit/run", MirrorConfig(workers=1))
+    costs = []
+    with tempfile.TemporaryDirectory(prefix="bench_submit_") as tmp:
+        record_dir = Path(tmp)
+        for n in range(SUBMITS):
+            name = f"tr_{n:016x}.json.zst"
+            (record_dir / name).write_bytes(b"\0" * 2048)
+            started = time.perf_counter()
+            mirror.submit(record_dir, name[: -len(".json.zst")], [name])
+            costs.append((time.perf_counter() - started) * 1000)
+            assert mirror.wait_idle(10)
+    mirror.close()
+    return costs
+
+
 def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], list[float]]:
     """(finish ms, finish -> copied ms) over MIRROR_TRAJECTORIES one-call text trajectories."""
     import httpx
@@ -256,7 +297,7 @@ def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], lis
     finish_ms, copied_ms = [], []
     with (
         ScriptedUpstream() as upstream,
-        tempfile.TemporaryDirectory(prefix="bench_finish_") as tmp,
+        tempfile.TemporaryDirectory(prefix="bench_finish_", dir=RECORD_ROOT) as tmp,
     ):
         service = CaptureService(upstream.base_url, record_dir=tmp, **(mirror or {}))
         url = service.start()
@@ -275,12 +316,12 @@ def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], lis
                     finish_ms.append((finished - started) * 1000)
                     if mirror is None:
                         continue
-                    state = answer["record"]["mirror_state"]
-                    while state == "pending":
-                        record = http.get(f"/trajectories/{created['id']}/record").json()
-                        state = record["mirror_state"]
-                    assert state == "copied", record
+                    # Waited for in-process: polling GET .../record would add requests to
+                    # the connection the next finish uses, and so to what is measured.
+                    assert service.server.store.mirror.wait_idle(60), "a copy took > 60 s"
                     copied_ms.append((time.perf_counter() - finished) * 1000)
+                    record = http.get(f"/trajectories/{created['id']}/record").json()
+                    assert record["mirror_state"] == "copied", (answer, record)
         finally:
             service.stop()
     return finish_ms, copied_ms
@@ -294,6 +335,7 @@ def mirror_main(trajectory: Trajectory) -> None:
     server, options, url = start_s3()
     try:
         big = big_record_copy(trajectory)
+        submits = submit_cost()
         off: list[float] = []
         on: list[float] = []
         copied: list[float] = []
@@ -306,7 +348,8 @@ def mirror_main(trajectory: Trajectory) -> None:
             on += finish
             copied += copy
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(10)
     rows = [
         ("mirror: big record", f"submit -> copied {big:.2f} s for 342.6 MB in 3 files (file://)"),
         *(
@@ -316,6 +359,11 @@ def mirror_main(trajectory: Trajectory) -> None:
                 f"({len(v)} one-call text trajectories)",
             )
             for label, v in (("off", off), ("on", on))
+        ),
+        (
+            "mirror submit",
+            f"p50 {percentile(submits, 50):.3f} ms, p95 {percentile(submits, 95):.3f} ms "
+            "(the finish path's share of the mirror)",
         ),
         (
             "finish -> copied",

@@ -110,6 +110,10 @@ def test_credentials_never_show(tmp_path: Path, caplog: pytest.LogCaptureFixture
         record_mirror_config={"storage_options": {"secret_token": "hunter2"}},
     )
     assert "hunter2" not in repr(options) and "hunter2" not in repr(options.mirror_config)
+    with_password = ServerOptions(
+        "http://127.0.0.1:9/v1", record_dir=tmp_path, record_mirror="memory://u:hunter2@m/run"
+    )
+    assert "hunter2" not in repr(with_password)
     mirror = RecordMirror("s3://AKIA:hunter2@bucket/run", MirrorConfig())
     assert mirror.health()["url"] == "s3://AKIA@bucket/run"
     assert "hunter2" not in str(mirror.location("tr_x", ["tr_x.json.zst"]))

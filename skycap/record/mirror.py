@@ -208,6 +208,7 @@ class RecordMirror:
         self._stop = threading.Event()
         self._sequence = itertools.count()
         self._folders: set[Path] = set()
+        self._held: set[str] = set()  # queued, waiting for release()
         self.counters = {
             "mirrored": 0,
             "failed": 0,
@@ -219,18 +220,22 @@ class RecordMirror:
 
     # -- the server's side ---------------------------------------------------------------------
 
-    def submit(self, record_dir: Path, trajectory_id: str, files: list[str]) -> None:
+    def submit(
+        self, record_dir: Path, trajectory_id: str, files: list[str], *, hold: bool = False
+    ) -> None:
         """Queue the record just written to `record_dir`; never raises, never waits.
 
         Called right after the write, before the next write of the same trajectory (the
         server holds the trajectory's lock), so the pinned files are exactly that write's.
+        With `hold`, the copy waits for `release(trajectory_id)`: a finish releases it once
+        its answer is built, so the copy's CPU does not compete with that answer.
         """
         try:
-            self._submit(Path(record_dir), trajectory_id, files)
+            self._submit(Path(record_dir), trajectory_id, files, hold)
         except Exception as exc:  # fail-open: the local record is written, that is what counts
             self._drop(trajectory_id, f"could not queue the copy: {_error_text(exc)}")
 
-    def _submit(self, record_dir: Path, trajectory_id: str, files: list[str]) -> None:
+    def _submit(self, record_dir: Path, trajectory_id: str, files: list[str], hold: bool) -> None:
         names = mirrored_files(files, trajectory_id, self.config.exclude)
         with self._lock:
             if self._closed:
@@ -252,7 +257,9 @@ class RecordMirror:
             old = self._jobs.get(trajectory_id)
             self._jobs[trajectory_id] = job
             self._set_state(trajectory_id, PENDING, None)
-            if old is None and trajectory_id not in self._running:
+            if hold:
+                self._held.add(trajectory_id)
+            elif old is None and trajectory_id not in self._running:
                 self._ready.append(trajectory_id)
             self._start_workers()
             self._lock.notify()
@@ -278,6 +285,23 @@ class RecordMirror:
                 shutil.copyfile(record_dir / name, link)
             pinned.append((name, link))
         return pinned
+
+    def release(self, trajectory_id: str) -> None:
+        """Let a held copy start (no-op when nothing of this trajectory is held)."""
+        with self._lock:
+            if trajectory_id not in self._held:
+                return
+            self._held.discard(trajectory_id)
+            self._make_ready(trajectory_id)
+
+    def _make_ready(self, trajectory_id: str) -> None:
+        if (
+            trajectory_id in self._jobs
+            and trajectory_id not in self._running
+            and trajectory_id not in self._ready
+        ):
+            self._ready.append(trajectory_id)
+            self._lock.notify()
 
     def location(self, trajectory_id: str, files: list[str]) -> dict[str, Any]:
         """The mirror part of a finish answer's `record` object (http.md §2.3, D-42)."""
@@ -305,6 +329,9 @@ class RecordMirror:
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         with self._lock:
             self._closed = True
+            for trajectory_id in list(self._held):
+                self._make_ready(trajectory_id)
+            self._held.clear()
             self._lock.wait_for(lambda: not self._jobs and not self._running, timeout)
             left = list(self._jobs.values())
             self._jobs.clear()
@@ -377,7 +404,8 @@ class RecordMirror:
             with self._lock:
                 self._running.discard(trajectory_id)
                 if trajectory_id in self._jobs:  # a newer write came in while this one copied
-                    self._ready.append(trajectory_id)
+                    if trajectory_id not in self._held:
+                        self._ready.append(trajectory_id)
                 elif self._states.get(trajectory_id, (PENDING,))[0] == PENDING:
                     self._set_state(trajectory_id, state, error)
                 if state == FAILED:

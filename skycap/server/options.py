@@ -90,8 +90,9 @@ class ServerOptions:
     use_raw_content: bool = False
     record_dir: str | Path | None = None
     record_host: str | None = None
-    record_mirror: str | None = None
-    # May hold credentials (storage_options): never in a repr.
+    # A URL may carry user:password@ and the config storage_options credentials: never in
+    # a repr (logs, tracebacks); the mirror shows its URL redacted.
+    record_mirror: str | None = field(default=None, repr=False)
     record_mirror_config: Mapping[str, Any] | None = field(default=None, repr=False)
     ttl: float = 3600.0
     path_rules: Mapping[str, PathRule | str] | None = None

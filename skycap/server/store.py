@@ -267,10 +267,14 @@ class TrajectoryStore:
             trajectory.ended = True
             await self._release_engine(trajectory.id)
         changed = ended_now or sampled_now or trajectory.annotations != before
-        record = await self._settle(trajectory, live, changed, keep=failure is not None)
-        if failure is not None:
-            return Answer.error(500, str(failure), "path_rule_failed")
-        return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        try:
+            record = await self._settle(trajectory, live, changed, keep=failure is not None)
+            if failure is not None:
+                return Answer.error(500, str(failure), "path_rule_failed")
+            return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        finally:
+            if self.mirror is not None:  # the copy starts once the answer is built
+                self.mirror.release(trajectory.id)
 
     def _rows(
         self, trajectory: Trajectory, paths: str | None
@@ -298,7 +302,7 @@ class TrajectoryStore:
             return None
         if not changed and not (live is not None and live.unwritten):
             return self._location(trajectory.id) if live is None else None
-        files = await self._write(trajectory)
+        files = await self._write(trajectory, hold=True)
         if files is None:
             if live is None:
                 live = self._adopt(trajectory)
@@ -337,11 +341,12 @@ class TrajectoryStore:
 
     # -- records -------------------------------------------------------------------------------
 
-    async def _write(self, trajectory: Trajectory) -> list[str] | None:
-        """Write off the event loop; None (logged) when the write failed."""
+    async def _write(self, trajectory: Trajectory, *, hold: bool = False) -> list[str] | None:
+        """Write off the event loop; None (logged) when the write failed. With `hold`, the
+        mirror's copy waits for `mirror.release` (a finish's answer)."""
         assert self.record_dir is not None
         try:
-            return await asyncio.to_thread(self._write_files, trajectory)
+            return await asyncio.to_thread(self._write_files, trajectory, hold)
         except Exception as exc:  # a failed write keeps the trajectory in memory for a retry
             logger.warning(
                 "writing the record of %s into %s failed: %s: %s",
@@ -352,12 +357,12 @@ class TrajectoryStore:
             )
             return None
 
-    def _write_files(self, trajectory: Trajectory) -> list[str]:
+    def _write_files(self, trajectory: Trajectory, hold: bool) -> list[str]:
         """The local atomic write, then (fail-open) the mirror's copy of exactly those files."""
         assert self.record_dir is not None
         files = write_record(trajectory, self.record_dir, decode_spans=self._decode_spans)
         if self.mirror is not None:
-            self.mirror.submit(self.record_dir, trajectory.id, files)
+            self.mirror.submit(self.record_dir, trajectory.id, files, hold=hold)
         return files
 
     async def _load(self, trajectory_id: str) -> Trajectory | Answer:
