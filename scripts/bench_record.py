@@ -302,7 +302,9 @@ def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], lis
         service = CaptureService(upstream.base_url, record_dir=tmp, **(mirror or {}))
         url = service.start()
         try:
-            with httpx.Client(base_url=url, timeout=60) as http:
+            token = service.control_token
+            headers = {"Authorization": f"Bearer {token}"} if token else None
+            with httpx.Client(base_url=url, timeout=60, headers=headers) as http:
                 for _ in range(MIRROR_TRAJECTORIES):
                     created = http.post("/trajectories", json={}).json()
                     httpx.post(
