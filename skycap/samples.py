@@ -292,8 +292,11 @@ def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> B
         if node.id in target_set and tok.sampled_start is not None:
             sample.loss_mask[start + tok.sampled_start : end] = 1
     # NaN marks "no logprob" in records; samples carry 0.0 there (and never a non-finite value,
-    # which JSON cannot carry).
-    sample.logprobs[~np.isfinite(sample.logprobs)] = 0.0
+    # which JSON cannot carry). A sampled token the engine gave no logprob (vLLM's -9999.0
+    # sentinel, D-41) is not trained on: its loss mask is 0, so no importance ratio uses it.
+    missing = ~np.isfinite(sample.logprobs)
+    sample.loss_mask[missing] = 0
+    sample.logprobs[missing] = 0.0
     sample.routed_experts = _experts(tokens)
     sample.sampling_mask = _sampling_mask(nodes, tokens, starts, target_set)
     return sample

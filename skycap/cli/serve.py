@@ -45,6 +45,12 @@ def run(args: argparse.Namespace) -> int:
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        if addon.backend is not None:
+            lines.append(
+                f"token mode: {addon.backend.served.describe()}; logprobs_mode "
+                f"{options.logprobs_mode} (vLLM's --logprobs-mode must match: its default is "
+                "raw_logprobs)"
+            )
         if addon.proxy is not None:
             lines.append(
                 f"HTTPS_PROXY listener on {options.host}:{addon.proxy.port} "

@@ -166,6 +166,8 @@ class SkycapAddon:
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
         self.store.start()
+        if self.backend is not None:
+            await self.backend.start()  # learns the served model name (D-41)
 
     async def done(self) -> None:
         if self.store is None or self.running_loop is None:
