@@ -672,7 +672,7 @@ def _check_overrides(overrides: Mapping[str, Any], sampling_mask: bool) -> None:
                 {"temperature": 1.0, "top_k": 1, **overrides}, "--sampling-overrides"
             )
     except SamplingError as exc:
-        raise ValueError(f"sampling_overrides: {exc}") from exc
+        raise ValueError(f"sampling_overrides.{exc.param}: {exc}") from exc
 
 
 def _generation_folders(tokenizer: str | None) -> list[Path]:
