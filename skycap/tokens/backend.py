@@ -41,7 +41,7 @@ from skycap.tokens.sampling import (
     validate_cache_salt,
     validate_sampling,
 )
-from skycap.tokens.stops import StopMatch, find_stop, strip_stop
+from skycap.tokens.stops import StopMatch, apply_stop, strip_stop
 from skycap.trajectory import FAILED, Trajectory
 from skycap.wire import openai_error, recorded_sampling
 
@@ -260,19 +260,16 @@ class TokenBackend:
         if not stops:
             return None
         min_tokens = sampling.get("min_tokens") or 0
-        match = await self._pool.run(
-            lambda r: find_stop(
+        return await self._pool.run(
+            lambda r: apply_stop(
                 r,
-                output.completion_ids,
+                output,
                 stops,
                 plan.prompt_ids,
                 min_tokens=min_tokens,
                 skip_special_tokens=not self.keep_special_tokens,
             )
         )
-        if match is not None:
-            cut_output(output, match.keep, len(plan.prompt_ids))
-        return match
 
     def _engine_request(
         self, body: dict[str, Any], plan: Plan, room: int | None, model: str | None
@@ -627,19 +624,6 @@ def _error(
         {"content-type": "application/json"},
         openai_error(status, message, code, param=param),
     )
-
-
-def cut_output(output: EngineOutput, keep: int, prompt_tokens: int) -> None:
-    """Keep the first `keep` completion tokens, with logprobs, mask and expert rows to match."""
-    output.completion_ids = output.completion_ids[:keep]
-    output.logprobs = output.logprobs[:keep]
-    if output.sampling_mask is not None:
-        output.sampling_mask = output.sampling_mask[:keep]
-    if output.routed_experts is not None:
-        # Rows cover positions [start, total - 1) (or total): the last kept token is unforwarded.
-        rows = max(prompt_tokens + keep - 1 - output.routed_start, 0)
-        output.routed_experts = output.routed_experts[:rows]
-    output.finish_reason = "stop"
 
 
 def _names_a_tool(tool_choice: Any) -> bool:

@@ -1,7 +1,8 @@
 """Stop strings applied by skycap to a finished completion, the way vLLM's detokenizer does.
 
-Any dialect calls `find_stop` with its list of stop strings (Chat Completions `stop`,
-Anthropic `stop_sequences`, ...). skycap never forwards stop strings to the engine (a
+Any dialect calls `apply_stop` (or `find_stop` and `cut_completion`) with its list of stop
+strings (Chat Completions `stop`, Anthropic `stop_sequences`, Responses ...), then
+`strip_stop` on the parsed reply. skycap never forwards stop strings to the engine (a
 `--tokens-only` vLLM refuses them, D-41); it samples the whole completion and cuts it here.
 The rule is vLLM's (v1/engine/detokenizer.py `IncrementalDetokenizer.update` and
 `check_stop_strings`): the decoded text is checked after `min_tokens` tokens; the stop string
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from skycap.tokens.engine import EngineOutput
 from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer, decode_spans_as
 
 
@@ -109,3 +111,45 @@ def strip_stop(message: dict[str, Any], match: StopMatch) -> dict[str, Any]:
             out[key] = value[:cut]
             return out
     return out
+
+
+def cut_completion(output: EngineOutput, keep: int, prompt_tokens: int) -> None:
+    """Keep the first `keep` completion tokens, with logprobs, mask and expert rows to match.
+
+    Expert rows cover positions [start, total - 1) (the last sampled token is never
+    forwarded), so they end one position before the last kept token.
+    """
+    output.completion_ids = output.completion_ids[:keep]
+    output.logprobs = output.logprobs[:keep]
+    if output.sampling_mask is not None:
+        output.sampling_mask = output.sampling_mask[:keep]
+    if output.routed_experts is not None:
+        rows = max(prompt_tokens + keep - 1 - output.routed_start, 0)
+        output.routed_experts = output.routed_experts[:rows]
+    output.finish_reason = "stop"
+
+
+def apply_stop(
+    renderer: Renderer,
+    output: EngineOutput,
+    stops: Sequence[str],
+    prompt_ids: Sequence[int],
+    *,
+    min_tokens: int = 0,
+    skip_special_tokens: bool = True,
+) -> StopMatch | None:
+    """Find the first stop string and cut `output` there in place; the match, or None.
+
+    Runs on a renderer worker thread (it decodes the completion).
+    """
+    match = find_stop(
+        renderer,
+        output.completion_ids,
+        stops,
+        prompt_ids,
+        min_tokens=min_tokens,
+        skip_special_tokens=skip_special_tokens,
+    )
+    if match is not None:
+        cut_completion(output, match.keep, len(prompt_ids))
+    return match
