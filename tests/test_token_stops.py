@@ -56,6 +56,9 @@ def test_the_final_stop_token_is_not_text_and_min_tokens_delays_the_check(
     late = find_stop(qwen3_renderer, ids, ["x"], min_tokens=1)
     assert early is not None and early.keep == 1
     assert late is not None and late.keep == 3 and late.text == "x y "
+    # A stop that begins inside the first min_tokens tokens but ends after them counts.
+    spanning = find_stop(qwen3_renderer, ids, ["x y"], min_tokens=1)
+    assert spanning is not None and spanning.keep == 2 and spanning.text == ""
 
 
 def test_apply_stop_cuts_logprobs_masks_and_experts(qwen3_renderer: Any, encode: Any) -> None:

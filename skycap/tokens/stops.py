@@ -78,10 +78,14 @@ def find_stop(
         renderer, completion_ids[:end], context, skip_special_tokens=skip_special_tokens
     )
     bounds = [*starts[1:], len(text)]  # where each token's text ends
-    search_from = starts[min_tokens] if min_tokens < len(starts) else len(text)
+    # vLLM checks once more than min_tokens tokens exist, for stops ending in the new text:
+    # a stop may begin inside the first min_tokens tokens but must end after them.
+    threshold = starts[min_tokens] if min_tokens < len(starts) else len(text) + 1
     best: tuple[int, int, str] | None = None  # (end, index, stop)
     for stop in stops:
-        index = text.find(stop, search_from)
+        index = (
+            text.find(stop, max(threshold - len(stop) + 1, 0)) if min_tokens else text.find(stop)
+        )
         if index != -1 and (best is None or index + len(stop) < best[0]):
             best = (index + len(stop), index, stop)
     if best is None:
