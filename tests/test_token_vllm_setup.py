@@ -150,12 +150,21 @@ def test_an_engine_down_at_start_is_asked_again_on_the_first_call() -> None:
         served = ServedModel(None)
         await served.start(down)
         assert served.name is None and "refused" in served.describe()
-        learned = await served.learn(up)
+        learned = await served.on_call(up)
         await served.close()
         return served, learned
 
     served, learned = asyncio.run(main())
     assert learned == "late" and served.source == "engine" and len(calls) >= 5
+
+    async def only_the_first_call_asks() -> list[int]:
+        served = ServedModel(None)
+        await served.on_call(down)
+        await served.on_call(down)
+        return calls
+
+    before = len(calls)
+    assert len(asyncio.run(only_the_first_call_asks())) == before + 1
 
 
 def test_the_start_line_names_the_model_and_the_logprobs_pairing(

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,11 +30,13 @@ from skycap.tokens.engine import (
 )
 from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
-from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
+from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
 from skycap.tokens.reply import Completion, completion_id, finish_reason, reply_messages
 from skycap.tokens.sampling import (
     SamplingError,
     check_mask_constraints,
+    check_overrides,
+    generation_folders,
     load_generation_config,
     stop_strings,
     validate_cache_salt,
@@ -152,11 +153,11 @@ class TokenBackend:
         self.use_raw_content = use_raw_content
         self.keep_special_tokens = keep_special_tokens
         self.upstream_timeout = upstream_timeout
-        _check_overrides(self.sampling_overrides, sampling_mask)
+        check_overrides(self.sampling_overrides, sampling_mask)
         self.generation_defaults, self.generation_source = load_generation_config(
-            generation_config, _generation_folders(tokenizer)
+            generation_config, generation_folders(tokenizer)
         )
-        self._pool = _renderer_pool(
+        self._pool = renderer_pool(
             tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
         )
         self._stop_token_ids = list(self._pool.primary.stop_token_ids)
@@ -213,7 +214,7 @@ class TokenBackend:
     ) -> Reply:
         t_start = time.time()
         tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
-        served = self.served.name or await self.served.learn(self._list_models)
+        served = await self.served.on_call(self._list_models)
         model = served or model_key(body.get("model"))
         plan = await self._plan(trajectory, body["messages"], tools, model, state.last_turn)
         room = self._check_limits(trajectory, body, len(plan.prompt_ids))
@@ -645,60 +646,3 @@ def _call_extras(
     if body.get("tool_choice") is not None:
         extras["tool_choice"] = body["tool_choice"]  # recorded, not enforced (D-41)
     return extras
-
-
-def _check_overrides(overrides: Mapping[str, Any], sampling_mask: bool) -> None:
-    """`--sampling-overrides` values vLLM would refuse fail at start, naming the field."""
-    try:
-        validate_sampling(overrides)
-        if sampling_mask and {"temperature", "top_k"} & set(overrides):
-            check_mask_constraints(
-                {"temperature": 1.0, "top_k": 1, **overrides}, "--sampling-overrides"
-            )
-    except SamplingError as exc:
-        raise ValueError(f"sampling_overrides.{exc.param}: {exc}") from exc
-
-
-def _generation_folders(tokenizer: str | None) -> list[Path]:
-    """Where `--generation-config auto` looks: the tokenizer folder, or a cached hub copy."""
-    if tokenizer is None:
-        return []
-    folder = Path(tokenizer).expanduser()
-    if folder.is_dir():
-        return [folder]
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return []
-    cached = try_to_load_from_cache(tokenizer, "generation_config.json")
-    return [Path(cached).parent] if isinstance(cached, str) else []
-
-
-def _renderer_pool(
-    tokenizer: str | None,
-    renderer: Renderer | None,
-    renderer_name: str | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-    size: int,
-) -> RendererPool:
-    """The default library renderer pool, or a ready renderer in a one-slot pool."""
-    if isinstance(renderer, str):
-        raise ValueError(
-            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
-            "name as renderer_name= (--renderer)"
-        )
-    if (tokenizer is None) == (renderer is None):
-        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
-    if renderer is not None:
-        if renderer_name is not None or chat_template_kwargs is not None:
-            raise ValueError(
-                "renderer_name and chat_template_kwargs configure the default renderer; "
-                "they cannot be combined with a ready renderer="
-            )
-        return RendererPool(lambda: renderer, 1)
-    return RendererPool(
-        lambda: LibraryRenderer(
-            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
-        ),
-        size,
-    )

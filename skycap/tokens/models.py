@@ -4,8 +4,8 @@ vLLM answers 404 for a `model` it does not serve (serve/engine/serving.py `_chec
 so the harness's own name ("gpt-4o", "policy") must never reach it. The name learned from
 the engine acts exactly as `--model` (D-41): it is sent, recorded and listed. skycap asks at
 start with backoff, keeps asking in the background while the engine is not up, and asks
-again on a call that finds it still unknown; until then calls go without `model`, which
-vLLM accepts (an empty name is its served model).
+once more on the first call that finds it still unknown; until then calls go without
+`model`, which vLLM accepts (an empty name is its served model).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class ServedModel:
         self.problem: str | None = None
         self._retry: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._asked_on_call = False
 
     def describe(self) -> str:
         """The start line's account of the model name."""
@@ -65,6 +66,14 @@ class ServedModel:
             await asyncio.sleep(delay)
         if await self.learn(lister) is None:
             self._retry = asyncio.get_running_loop().create_task(self._keep_trying(lister))
+
+    async def on_call(self, lister: Lister) -> str | None:
+        """The name for a harness call: asks the engine on the first call only (later calls
+        rely on the background retries, so an engine without `/v1/models` costs one GET)."""
+        if self.name is not None or self._asked_on_call:
+            return self.name
+        self._asked_on_call = True
+        return await self.learn(lister)
 
     async def learn(self, lister: Lister) -> str | None:
         """Ask the engine once (unless known); the name, or None with `problem` set."""

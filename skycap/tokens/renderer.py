@@ -614,3 +614,33 @@ class RendererPool:
     def close(self) -> None:
         """Stop the worker threads; calls already running finish first."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def renderer_pool(
+    tokenizer: str | None,
+    renderer: Renderer | None,
+    renderer_name: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    size: int,
+) -> RendererPool:
+    """The default library renderer pool, or a ready renderer in a one-slot pool."""
+    if isinstance(renderer, str):
+        raise ValueError(
+            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
+            "name as renderer_name= (--renderer)"
+        )
+    if (tokenizer is None) == (renderer is None):
+        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
+    if renderer is not None:
+        if renderer_name is not None or chat_template_kwargs is not None:
+            raise ValueError(
+                "renderer_name and chat_template_kwargs configure the default renderer; "
+                "they cannot be combined with a ready renderer="
+            )
+        return RendererPool(lambda: renderer, 1)
+    return RendererPool(
+        lambda: LibraryRenderer(
+            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
+        ),
+        size,
+    )

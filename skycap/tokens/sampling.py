@@ -204,3 +204,30 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
     except SamplingError as exc:
         raise ValueError(f"generation_config {str(path)!r}: {exc}") from exc
     return defaults
+
+
+def check_overrides(overrides: Mapping[str, Any], sampling_mask: bool) -> None:
+    """`--sampling-overrides` values vLLM would refuse fail at start, naming the field."""
+    try:
+        validate_sampling(overrides)
+        if sampling_mask and {"temperature", "top_k"} & set(overrides):
+            check_mask_constraints(
+                {"temperature": 1.0, "top_k": 1, **overrides}, "--sampling-overrides"
+            )
+    except SamplingError as exc:
+        raise ValueError(f"sampling_overrides.{exc.param}: {exc}") from exc
+
+
+def generation_folders(tokenizer: str | None) -> list[Path]:
+    """Where `--generation-config auto` looks: the tokenizer folder, or a cached hub copy."""
+    if tokenizer is None:
+        return []
+    folder = Path(tokenizer).expanduser()
+    if folder.is_dir():
+        return [folder]
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return []
+    cached = try_to_load_from_cache(tokenizer, "generation_config.json")
+    return [Path(cached).parent] if isinstance(cached, str) else []
