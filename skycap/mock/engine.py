@@ -252,13 +252,20 @@ class ScriptedEngine:
             return [r for r in self.requests if r.path.split("?", 1)[0] == GENERATE_PATH]
 
     def wait_for_requests(self, count: int, timeout: float = 5.0) -> None:
-        """Block until `count` requests have arrived; TimeoutError otherwise."""
+        """Block until `count` generate calls have arrived; TimeoutError otherwise.
+
+        Only generate calls count: a token-mode server also asks `/v1/models` for the
+        served name, at start or on its first call.
+        """
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self.requests) >= count, timeout):
+            if not self._cond.wait_for(lambda: self._generate_count() >= count, timeout):
                 raise TimeoutError(
-                    f"scripted engine got {len(self.requests)} requests, expected {count} "
-                    f"within {timeout} s"
+                    f"scripted engine got {self._generate_count()} generate requests, expected "
+                    f"{count} within {timeout} s"
                 )
+
+    def _generate_count(self) -> int:
+        return sum(1 for r in self.requests if r.path.split("?", 1)[0] == GENERATE_PATH)
 
     def default_reply(self, body: dict[str, Any]) -> Reply:
         """A deterministic episode: call the first offered tool twice, then answer.
