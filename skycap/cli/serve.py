@@ -53,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
             from skycap.record.mirror import redact
 
             lines.append(f"records mirrored to {redact(options.record_mirror)}")
+        if addon.backend is not None:
+            lines.append(
+                f"token mode: {addon.backend.served.describe()}; logprobs_mode "
+                f"{options.logprobs_mode} (vLLM's --logprobs-mode must match: its default is "
+                "raw_logprobs)"
+            )
         if token_file is not None:
             lines.append(f"control token in {token_file} (mode 0600)")
         if addon.proxy is not None:

@@ -173,6 +173,8 @@ class SkycapAddon:
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
         self.store.start()
+        if self.backend is not None:
+            await self.backend.start()  # learns the served model name (D-41)
         assert self.options is not None
         try:
             port = listen_address(proxyserver, ReverseMode)[1]

@@ -21,6 +21,8 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--sampling-mask` | `sampling_mask` | `skycap_sampling_mask` |
 | `--logprobs-mode MODE` | `logprobs_mode` | `skycap_logprobs_mode` |
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
+| `--keep-special-tokens` | `keep_special_tokens` | `skycap_keep_special_tokens` |
+| `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
 | `--record-mirror URL` | `record_mirror` | `skycap_record_mirror` |
@@ -92,6 +94,8 @@ class ServerOptions:
     sampling_mask: bool = False
     logprobs_mode: str = "processed_logprobs"
     use_raw_content: bool = False
+    keep_special_tokens: bool = False
+    generation_config: str | None = None
     record_dir: str | Path | None = None
     record_host: str | None = None
     # A URL may carry user:password@ and the config storage_options credentials: never in
@@ -442,7 +446,12 @@ FLAGS: tuple[Flag, ...] = (
         convert=_json_object("--chat-template-kwargs"),
         metavar="JSON",
     ),
-    Flag("--model", "model", "model name sent to the engine and listed on /models"),
+    Flag(
+        "--model",
+        "model",
+        "model name sent to the engine and listed on /models (token mode default: the "
+        "engine's served name from its /v1/models)",
+    ),
     Flag(
         "--max-model-len",
         "max_model_len",
@@ -461,7 +470,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--logprobs-mode",
         "logprobs_mode",
-        "token mode: recorded in capture only (default processed_logprobs)",
+        "token mode: recorded in capture only (default processed_logprobs); must match "
+        "vLLM's own --logprobs-mode, whose default is raw_logprobs",
         metavar="MODE",
     ),
     Flag(
@@ -469,6 +479,20 @@ FLAGS: tuple[Flag, ...] = (
         "use_raw_content",
         "token mode: reply with the completion's raw decoded text",
         convert=None,
+    ),
+    Flag(
+        "--keep-special-tokens",
+        "keep_special_tokens",
+        "token mode: decode raw content and match stop strings with special tokens kept "
+        "(vLLM's skip_special_tokens=false; default: skipped, as vLLM does)",
+        convert=None,
+    ),
+    Flag(
+        "--generation-config",
+        "generation_config",
+        "token mode: sampling defaults for fields a request omits: auto (the tokenizer "
+        "folder's generation_config.json, if any; the default), none, or a file or folder",
+        metavar="auto|none|PATH",
     ),
     Flag(
         "--record-dir",
