@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http, tcp
 from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 import skycap.control_token as credential
@@ -28,6 +28,7 @@ from skycap.certs import ensure_ca
 from skycap.server import options as options_module
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
+from skycap.server.destinations import Destinations
 from skycap.server.drain import CONTROL_PATH, HARNESS_PATH, DrainSink, too_large_message
 from skycap.server.harness import Harness, harness_error, respond
 from skycap.server.options import ServerOptions
@@ -132,7 +133,8 @@ class SkycapAddon:
             capture = {"mode": "text"}
         self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
         if options.proxy_port is not None:
-            self.proxy = Proxy(self.store, ensure_ca(options.confdir))
+            destinations = Destinations(options.allow_rules, options.deny_rules)
+            self.proxy = Proxy(self.store, ensure_ca(options.confdir), destinations)
         self.control = Control(self.store, self.proxy, options.control_token)
         self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
         self.harness = Harness(options, self.store, self.text, self.backend)
@@ -227,7 +229,12 @@ class SkycapAddon:
         if self.proxy is not None:
             self.proxy.forget(client.id)
 
-    def _proxy_route(self, flow: http.HTTPFlow) -> tuple[str, str | None]:
+    async def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits (D-43)."""
+        if self.proxy is not None and self.proxy.serves(flow):
+            await self.proxy.tcp_start(flow)
+
+    async def _proxy_route(self, flow: http.HTTPFlow) -> tuple[str, str | None]:
         """Route a request on the proxy listener; a refusal or a pass-through is settled here."""
         assert self.proxy is not None
         try:
@@ -237,17 +244,17 @@ class SkycapAddon:
             return ANSWERED, None
         kind = proxy_route(flow.request.method, flow.request.path)
         if kind == PASS:
-            self.proxy.pass_through(flow, trajectory_id)
+            await self.proxy.pass_through(flow, trajectory_id)
             return (ANSWERED if flow.response is not None else PASS), trajectory_id
         flow.metadata[PROXIED] = True
         return kind, trajectory_id
 
     # -- request hooks -------------------------------------------------------------------------
 
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
         if self.proxy is not None and self.proxy.serves(flow):
-            kind, trajectory_id = self._proxy_route(flow)
+            kind, trajectory_id = await self._proxy_route(flow)
         else:
             kind, trajectory_id = route(flow.request.method, flow.request.path)
         flow.metadata[ROUTE] = (kind, trajectory_id)

@@ -1,4 +1,4 @@
-"""The one options object that builds a capture server, for `skycap serve`, mitmdump and embedders.
+r"""The one options object that builds a capture server, for `skycap serve`, mitmdump and embedders.
 
 D-20: `skycap serve`, the `mitmdump -s addons/skycap.py` script and the embedded
 `CaptureService` all build their server from `ServerOptions`, and both command-line
@@ -33,6 +33,8 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
 | `--control-token-file PATH` | `control_token_file` | `skycap_control_token_file` |
 | `--no-control-token` | `no_control_token` | `skycap_no_control_token` |
+| `--proxy-allow HOST\|CIDR[:PORT]` (repeat) | `proxy_allow` (D-43) | `skycap_proxy_allow` |
+| `--proxy-deny HOST\|CIDR[:PORT]` (repeat) | `proxy_deny` (D-43) | `skycap_proxy_deny` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
@@ -59,6 +61,7 @@ import orjson
 from skycap.certs import default_confdir
 from skycap.control_token import check_control_token, new_control_token
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
+from skycap.server.destinations import Rule, parse_rule
 
 MODES = ("text", "tokens")
 DEFAULT_API_KEY_ENV = "SKYCAP_UPSTREAM_API_KEY"
@@ -106,7 +109,11 @@ class ServerOptions:
     control_token: str | None = field(default=None, repr=False)
     control_token_file: str | Path | None = None
     no_control_token: bool = False
+    proxy_allow: tuple[str, ...] = ()
+    proxy_deny: tuple[str, ...] = ()
     rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
+    allow_rules: list[Rule] = field(init=False, repr=False, compare=False)
+    deny_rules: list[Rule] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_mode()
@@ -125,6 +132,12 @@ class ServerOptions:
                 f"drop it or drop {_name('record_dir')}"
             )
         object.__setattr__(self, "rules", build_rules(self.path_rules))
+        for key, rules in (("proxy_allow", "allow_rules"), ("proxy_deny", "deny_rules")):
+            specs = getattr(self, key)
+            if isinstance(specs, str) or not all(isinstance(s, str) for s in specs):
+                raise ValueError(f"{_name(key)} must be a list of HOST|CIDR[:PORT] strings")
+            object.__setattr__(self, key, tuple(specs))
+            object.__setattr__(self, rules, [parse_rule(s, _FLAG_OF[key]) for s in specs])
 
     def _check_mode(self) -> None:
         if self.mode not in MODES:
@@ -495,6 +508,24 @@ FLAGS: tuple[Flag, ...] = (
         convert=_number(int, "--proxy-port"),
         metavar="PORT",
         addon=False,
+    ),
+    Flag(
+        "--proxy-allow",
+        "proxy_allow",
+        "let pass-through reach this loopback or link-local host, address or network "
+        "(repeatable; the proxy refuses them by default)",
+        convert=tuple,
+        metavar="HOST|CIDR[:PORT]",
+        repeat=True,
+    ),
+    Flag(
+        "--proxy-deny",
+        "proxy_deny",
+        "refuse pass-through to this host, address or network too (repeatable; wins over "
+        "--proxy-allow)",
+        convert=tuple,
+        metavar="HOST|CIDR[:PORT]",
+        repeat=True,
     ),
     Flag(
         "--confdir",
