@@ -34,7 +34,7 @@ from skycap.server.harness import Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.store import Answer, TrajectoryStore
-from skycap.server.textmode import TextCall, TextMode
+from skycap.server.textmode import CLOSE_AFTER, TextCall, TextMode
 from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
@@ -349,6 +349,8 @@ class SkycapAddon:
     # -- response hooks (text mode) ------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(CLOSE_AFTER):
+            flow.response.headers["connection"] = "close"  # mitmproxy then closes it
         call: TextCall | None = flow.metadata.get(CALL)
         if call is not None:
             with _logged(flow, "responseheaders"):

@@ -43,6 +43,9 @@ _DROPPED = frozenset(
     }
 )
 _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
+#: Set on a flow whose harness asked for `Connection: close`: its answer says so and the
+#: connection closes after it (the header itself is hop-by-hop and not forwarded).
+CLOSE_AFTER = "skycap.close_after"
 _EVENT_STREAM = "text/event-stream"
 
 
@@ -83,6 +86,10 @@ class TextMode:
             dropped, added = _DROPPED, self._added
         else:
             dropped, added = _DROPPED_KEEP_HOST, self._auth
+        if any(
+            k.lower() == b"connection" and b"close" in v.lower() for k, v in data.headers.fields
+        ):
+            flow.metadata[CLOSE_AFTER] = True
         kept = tuple(f for f in data.headers.fields if f[0].lower() not in dropped)
         body = data.content
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
