@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 HARNESS_KINDS = frozenset({CHAT, MODELS, HARNESS_MISS})
+# An answer larger than this is dropped once sent (mitmproxy's stream state would keep it).
+LARGE_ANSWER = 1 << 20
 
 
 # Routes that name a trajectory: prefix -> ({(tail, method): kind}, kind of any other tail).
@@ -95,6 +98,18 @@ def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
         respond(flow, status, control_error(message))
 
 
+def _release_request_body(flow: http.HTTPFlow) -> None:
+    """Drop a request body nothing needs any more: it has been forwarded or answered.
+
+    mitmproxy's own per-request state holds the flow in a reference cycle (its stream's
+    state is a bound method), so without this a 200 MB request would stay resident until
+    the garbage collector happens to run. Large answers are dropped the same way once
+    sent: at the connection's next HTTP/1 request or when it closes.
+    """
+    if flow.request.data.content:
+        flow.request.data.content = b""
+
+
 @contextlib.contextmanager
 def _logged(flow: http.HTTPFlow, hook: str) -> Iterator[None]:
     """A bug in a response-side hook is logged as a warning, never shown as a traceback."""
@@ -117,6 +132,8 @@ class SkycapAddon:
         self.running_loop: asyncio.AbstractEventLoop | None = None
         self.conns = Connections()
         self.proxy: Proxy | None = None
+        # client connection id -> flows with a large answer that may still be being sent
+        self._answered: dict[str, list[weakref.ref[http.HTTPFlow]]] = {}
         if options is not None:
             self._build(options)
 
@@ -228,6 +245,14 @@ class SkycapAddon:
     def client_disconnected(self, client: connection.Client) -> None:
         if self.proxy is not None:
             self.proxy.forget(client.id)
+        self._release_answered(client.id)
+
+    def _release_answered(self, client_id: str) -> None:
+        """Drop the large answers already sent on a connection (see `_release_request_body`)."""
+        for ref in self._answered.pop(client_id, ()):
+            flow = ref()
+            if flow is not None and flow.response is not None:
+                flow.response.data.content = b""
 
     async def tcp_start(self, flow: tcp.TCPFlow) -> None:
         """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits (D-43)."""
@@ -253,6 +278,8 @@ class SkycapAddon:
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
+        if self._answered and not (flow.request.is_http2 or flow.request.is_http3):
+            self._release_answered(flow.client_conn.id)  # HTTP/1: earlier answers are sent
         if self.proxy is not None and self.proxy.serves(flow):
             kind, trajectory_id = await self._proxy_route(flow)
         else:
@@ -363,6 +390,9 @@ class SkycapAddon:
         if call is not None:
             with _logged(flow, "response"):
                 call.on_response(flow.response)
+        _release_request_body(flow)
+        if len(flow.response.data.content or b"") > LARGE_ANSWER:
+            self._answered.setdefault(flow.client_conn.id, []).append(weakref.ref(flow))
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, flow.response.status_code)
 
@@ -373,6 +403,7 @@ class SkycapAddon:
                 call.on_error(flow)
             elif self.text is not None and flow.metadata.get(ROUTE, (None,))[0] == MODELS:
                 self.text.on_models_error(flow)
+        _release_request_body(flow)
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, None)
 
