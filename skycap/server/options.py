@@ -1,4 +1,4 @@
-r"""The one options object that builds a capture server, for `skycap serve`, mitmdump and embedders.
+"""The one options object that builds a capture server, for `skycap serve`, mitmdump and embedders.
 
 D-20: `skycap serve`, the `mitmdump -s addons/skycap.py` script and the embedded
 `CaptureService` all build their server from `ServerOptions`, and both command-line
@@ -33,8 +33,8 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
 | `--control-token-file PATH` | `control_token_file` | `skycap_control_token_file` |
 | `--no-control-token` | `no_control_token` | `skycap_no_control_token` |
-| `--proxy-allow HOST\|CIDR[:PORT]` (repeat) | `proxy_allow` (D-43) | `skycap_proxy_allow` |
-| `--proxy-deny HOST\|CIDR[:PORT]` (repeat) | `proxy_deny` (D-43) | `skycap_proxy_deny` |
+| `--proxy-allow RULE` (repeat; HOST or CIDR[:PORT]) | `proxy_allow` (D-43) | `skycap_proxy_allow` |
+| `--proxy-deny RULE` (repeat) | `proxy_deny` (D-43) | `skycap_proxy_deny` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
