@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.serve_parser
     try:
         options = from_values(vars(args))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
 
@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        if options.record_mirror is not None:
+            from skycap.record.mirror import redact
+
+            lines.append(f"records mirrored to {redact(options.record_mirror)}")
         if token_file is not None:
             lines.append(f"control token in {token_file} (mode 0600)")
         if addon.proxy is not None:

@@ -23,6 +23,8 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
+| `--record-mirror URL` | `record_mirror` | `skycap_record_mirror` |
+| `--record-mirror-config JSON` | `record_mirror_config` | `skycap_record_mirror_config` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
 | `--path-rule [NAME=]MODULE:FUNCTION` (repeat) | `path_rules` (name -> rule) | `skycap_path_rule` |
 | `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
@@ -41,7 +43,7 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | (none) | `advertise_host` | (none) |
 | (none) | `sweep_interval` (D-13) | (none) |
 
-The mirror, exposures, the harness listener and `processor_kwargs` are not built yet (D-3).
+Exposures, the harness listener and `processor_kwargs` are not built yet (D-3).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import orjson
 
 from skycap.certs import default_confdir
 from skycap.control_token import check_control_token, new_control_token
+from skycap.record.mirror import MirrorConfig, open_store
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
 from skycap.server.destinations import Rule, parse_rule
 
@@ -94,6 +97,10 @@ class ServerOptions:
     use_raw_content: bool = False
     record_dir: str | Path | None = None
     record_host: str | None = None
+    # A URL may carry user:password@ and the config storage_options credentials: never in
+    # a repr (logs, tracebacks); the mirror shows its URL redacted.
+    record_mirror: str | None = field(default=None, repr=False)
+    record_mirror_config: Mapping[str, Any] | None = field(default=None, repr=False)
     ttl: float = 3600.0
     path_rules: Mapping[str, PathRule | str] | None = None
     keep_unrecorded: bool = True
@@ -114,6 +121,7 @@ class ServerOptions:
     rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
     allow_rules: list[Rule] = field(init=False, repr=False, compare=False)
     deny_rules: list[Rule] = field(init=False, repr=False, compare=False)
+    mirror_config: MirrorConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_mode()
@@ -138,6 +146,29 @@ class ServerOptions:
                 raise ValueError(f"{_name(key)} must be a list of HOST|CIDR[:PORT] strings")
             object.__setattr__(self, key, tuple(specs))
             object.__setattr__(self, rules, [parse_rule(s, _FLAG_OF[key]) for s in specs])
+        object.__setattr__(self, "mirror_config", self._check_mirror())
+
+    def _check_mirror(self) -> MirrorConfig | None:
+        """The parsed mirror config; the URL is resolved now so a typo or a missing package
+        fails at start (ImportError naming the `remote` extra), not at the first finish."""
+        if self.record_mirror is None:
+            if self.record_mirror_config is not None:
+                raise ValueError(
+                    f"{_name('record_mirror_config')} configures the record mirror; it needs "
+                    f"{_name('record_mirror')}"
+                )
+            return None
+        if not isinstance(self.record_mirror, str) or not self.record_mirror:
+            raise ValueError(f"{_name('record_mirror')} must be a URL, got {self.record_mirror!r}")
+        if self.record_dir is None:
+            raise ValueError(
+                f"{_name('record_mirror')} copies records written to the record directory, but "
+                f"this server keeps records in memory only: give {_name('record_dir')} or drop "
+                f"{_name('record_mirror')}"
+            )
+        config = MirrorConfig.from_mapping(self.record_mirror_config)
+        open_store(self.record_mirror, config.storage_options)
+        return config
 
     def _check_mode(self) -> None:
         if self.mode not in MODES:
@@ -463,6 +494,21 @@ FLAGS: tuple[Flag, ...] = (
         "record_host",
         "record.host in finish replies (default: this machine's primary address)",
         metavar="ADDRESS",
+    ),
+    Flag(
+        "--record-mirror",
+        "record_mirror",
+        "also copy every record, in the background, to this fsspec URL (s3://bucket/prefix, "
+        "gs://..., file:///...); needs the remote extra and --record-dir",
+        metavar="URL",
+    ),
+    Flag(
+        "--record-mirror-config",
+        "record_mirror_config",
+        "JSON object: exclude, workers, queue_size, timeout, attempts, backoff, "
+        "shutdown_timeout, storage_options (passed to fsspec)",
+        convert=_json_object("--record-mirror-config"),
+        metavar="JSON",
     ),
     Flag(
         "--ttl",
