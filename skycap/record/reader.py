@@ -12,7 +12,7 @@ import orjson
 import zstandard
 
 from skycap.graph import Graph, Tokens
-from skycap.record.frames import FrameError, zstd_frames
+from skycap.record.frames import FrameError, content_size_problem, zstd_frames
 from skycap.record.layout import (
     DOCUMENT_SUFFIX,
     DTYPES,
@@ -175,12 +175,20 @@ def _decompress_frame(data: mmap.mmap, path: Path) -> bytes:
     decompressor = zstandard.ZstdDecompressor()
     with memoryview(data) as whole, whole[start:end] as frame:
         try:
+            problem = content_size_problem(frame)
+            if problem is not None:
+                raise RecordError(f"ZstdError: {path.name}: {problem}")
             if zstandard.frame_content_size(frame) >= 0:
                 return decompressor.decompress(frame)
             # Another writer left the content size out: still one frame, so stream it.
             return decompressor.decompressobj().decompress(frame)
         except zstandard.ZstdError as exc:
+            # A content checksum that does not match lands here too (issue 17).
             raise RecordError(f"ZstdError: {path.name}: corrupt zstd frame: {exc}") from None
+        except MemoryError:
+            raise RecordError(
+                f"{path.name}: its zstd frame claims more content than this process can hold"
+            ) from None
 
 
 def _json_type(value: Any) -> str:

@@ -40,7 +40,8 @@ class Control:
         health = self.store.health()
         if self.proxy is not None:
             health["proxy"] = self.proxy.health()
-        return Answer.json(200, health)
+        # D-44: a record that cannot be written makes the server unhealthy.
+        return Answer.json(200 if health["ok"] else 503, health)
 
     def listing(self) -> Answer:
         return Answer.json(200, self.store.listing())

@@ -23,6 +23,7 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
+| `--journal-fsync` | `journal_fsync` (D-44) | `skycap_journal_fsync` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
 | `--path-rule [NAME=]MODULE:FUNCTION` (repeat) | `path_rules` (name -> rule) | `skycap_path_rule` |
 | `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
@@ -87,6 +88,7 @@ class ServerOptions:
     use_raw_content: bool = False
     record_dir: str | Path | None = None
     record_host: str | None = None
+    journal_fsync: bool = False
     ttl: float = 3600.0
     path_rules: Mapping[str, PathRule | str] | None = None
     keep_unrecorded: bool = True
@@ -408,6 +410,13 @@ FLAGS: tuple[Flag, ...] = (
         "record_host",
         "record.host in finish replies (default: this machine's primary address)",
         metavar="ADDRESS",
+    ),
+    Flag(
+        "--journal-fsync",
+        "journal_fsync",
+        "fsync each crash-journal line before the answer (survives power loss, not only a "
+        "killed server; costs a disk flush per call)",
+        convert=None,
     ),
     Flag(
         "--ttl",
