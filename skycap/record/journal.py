@@ -339,12 +339,12 @@ def replay_journals(record_dir: Path, write: Write) -> Replayed:
         result.written.append(trajectory_id)
     if result.written:
         logger.warning(
-            "rebuilt %d trajectories from crash journals in %s; they take no more calls and "
-            "can be finished: %s",
+            "rebuilt %d trajectories from crash journals in %s (they take no more calls and "
+            "can be finished)",
             len(result.written),
             record_dir,
-            ", ".join(result.written),
         )
+        logger.info("rebuilt from crash journals: %s", ", ".join(result.written))
     return result
 
 
