@@ -7,7 +7,12 @@ from typing import Any
 
 from skycap.arrays import csr_to_rows
 from skycap.client import Sample
-from skycap.record.reader import record_document, trajectory_from_document
+from skycap.record.reader import (
+    RecordError,
+    document_path,
+    record_document,
+    trajectory_from_document,
+)
 from skycap.samples import (
     BUILTIN_RULES,
     BuiltSample,
@@ -46,9 +51,12 @@ def to_client_sample(sample: BuiltSample) -> Sample:
 class LoadedRecord:
     """A record read back: its trajectory (sidecars included), its document, and its samples."""
 
-    def __init__(self, trajectory: Trajectory, document: dict[str, Any]) -> None:
+    def __init__(
+        self, trajectory: Trajectory, document: dict[str, Any], source: Path | None = None
+    ) -> None:
         self.trajectory = trajectory
         self.document = document
+        self.source = source
 
     @property
     def id(self) -> str:
@@ -64,7 +72,11 @@ class LoadedRecord:
         graph = self.trajectory.graph
         recorded = self.trajectory.samples
         if isinstance(recorded, dict) and recorded.get("paths") == paths:
-            rows = rows_from_samples_field(graph, recorded)
+            try:
+                rows = rows_from_samples_field(graph, recorded)
+            except ValueError as exc:  # a hostile or damaged record (issue 17)
+                where = self.source or self.id
+                raise RecordError(f"{where}: {exc}") from None
         elif paths in BUILTIN_RULES:
             rows = rows_for_finish(graph, paths, {})
         elif ":" in paths:
@@ -83,4 +95,5 @@ def load(record_dir: str | Path, id: str) -> LoadedRecord:
     """Read record `id` from `record_dir`; raises RecordError with a one-line reason."""
     record_dir = Path(record_dir)
     document = record_document(record_dir, id)
-    return LoadedRecord(trajectory_from_document(record_dir, document), document)
+    source = document_path(record_dir, id)
+    return LoadedRecord(trajectory_from_document(record_dir, document), document, source)

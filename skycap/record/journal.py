@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import time
 import uuid
@@ -460,7 +461,7 @@ def _array(ref: Any, blob: bytes) -> np.ndarray | None:
         dtype = np.dtype(ref["dtype"])
         shape = [int(n) for n in ref["shape"]]
         at = int(ref["at"])
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
     except (KeyError, TypeError, ValueError) as exc:
         raise _Torn(f"bad array reference {ref!r}: {exc}") from None
     end = at + count * dtype.itemsize

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from pathlib import Path
@@ -231,7 +232,7 @@ def _array(payload: bytes, kind: str, name: str, spec: Any) -> np.ndarray:
     if not _is_count(offset):
         raise RecordError(f"{what}: bad offset {offset!r}")
     item = np.dtype(dtype).newbyteorder("<")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: a hostile shape like [2**62, 4, 2] cannot wrap
     end = offset + count * item.itemsize
     if end > len(payload):
         raise RecordError(
@@ -278,7 +279,12 @@ def _trajectory(document: dict[str, Any]) -> Trajectory:
     trajectory.tools = document.get("tools") or {}
     trajectory.failures = document.get("failures") or []
     trajectory.retries = document.get("retries") or {"replayed": 0, "coalesced": 0}
-    trajectory.samples = document.get("samples")
+    samples = document.get("samples")
+    if samples is not None and not (
+        isinstance(samples, dict) and isinstance(samples.get("rows"), list)
+    ):
+        raise RecordError("samples must be null or an object with a rows array")
+    trajectory.samples = samples
     return trajectory
 
 

@@ -288,6 +288,13 @@ class TrajectoryStore:
         paths: str | None,
     ) -> Answer:
         recorded = trajectory.samples
+        if recorded is not None:
+            try:
+                rows_from_samples_field(trajectory.graph, recorded)
+            except (ValueError, AttributeError) as exc:  # a damaged record (issue 17)
+                return Answer.error(
+                    500, f"the record of {trajectory.id} cannot be read: {exc}", "record_error"
+                )
         if recorded is not None and paths is not None and paths != recorded.get("paths"):
             return Answer.error(
                 409, f"trajectory already finished with paths='{recorded.get('paths')}'"
