@@ -151,12 +151,11 @@ class Journal:
         if cursor is None:
             return
         lines, arrays = journal_paths(self.record_dir, trajectory.id)
-        blobs: list[bytes] = []
+        blobs = _Blobs()
         line = _delta(trajectory, cursor, calls, blobs)
-        if blobs:
-            data = b"".join(blobs)
-            self._write(arrays, data)
-            cursor.bin_size += len(data)
+        if blobs.parts:
+            self._write(arrays, *blobs.parts)
+            cursor.bin_size += blobs.size
         self._write(lines, orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS) + b"\n")
 
     def remove(self, trajectory_id: str) -> None:
@@ -167,20 +166,32 @@ class Journal:
         for path in journal_paths(self.record_dir, trajectory_id):
             path.unlink(missing_ok=True)
 
-    def _write(self, path: Path, data: bytes, *, truncate: bool = False) -> None:
+    def _write(self, path: Path, *parts: Any, truncate: bool = False) -> None:
+        """Append `parts` (bytes or byte views of arrays, never copied) to `path`."""
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else os.O_APPEND)
         fd = os.open(path, flags, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
 
-def _delta(trajectory: Trajectory, cursor: _Cursor, calls: int, blobs: list[bytes]) -> dict:
+class _Blobs:
+    """Array bytes queued for one line's `.bin` append, as zero-copy views."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.size = 0
+
+
+def _delta(trajectory: Trajectory, cursor: _Cursor, calls: int, blobs: _Blobs) -> dict:
     """One line: what changed since the cursor, the cursor moved past it."""
     graph = trajectory.graph
     line: dict[str, Any] = {"status": trajectory.status, "retries": trajectory.retries}
@@ -218,7 +229,7 @@ def _delta(trajectory: Trajectory, cursor: _Cursor, calls: int, blobs: list[byte
     return line
 
 
-def _node_entry(node: Node, cursor: _Cursor, blobs: list[bytes]) -> dict[str, Any]:
+def _node_entry(node: Node, cursor: _Cursor, blobs: _Blobs) -> dict[str, Any]:
     entry = {
         "id": node.id,
         "parent": node.parent,
@@ -247,16 +258,17 @@ def _node_entry(node: Node, cursor: _Cursor, blobs: list[bytes]) -> dict[str, An
     return entry
 
 
-def _ref(value: np.ndarray | bytes, cursor: _Cursor, blobs: list[bytes]) -> dict[str, Any]:
+def _ref(value: np.ndarray | bytes, cursor: _Cursor, blobs: _Blobs) -> dict[str, Any]:
     """Queue an array's bytes for the `.bin` file; the reference the line carries."""
     if isinstance(value, bytes):
         array = np.frombuffer(value, dtype=np.uint8)
     else:
         array = np.ascontiguousarray(value)
         array = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    data = array.tobytes()
-    at = cursor.bin_size + sum(len(b) for b in blobs)
-    blobs.append(data)
+    at = cursor.bin_size + blobs.size
+    if array.nbytes:
+        blobs.parts.append(array.reshape(-1).view(np.uint8))
+        blobs.size += array.nbytes
     return {"dtype": array.dtype.str, "shape": list(array.shape), "at": at}
 
 
