@@ -145,3 +145,29 @@ def test_a_replay_that_cannot_write_keeps_the_journal(tmp_path: Path) -> None:
     result = replay_journals(tmp_path, full)
     assert [t.id for t in result.unwritten] == [TR]
     assert journal_paths(tmp_path, TR)[0].exists()
+
+
+def test_a_failed_write_is_made_good_by_the_next_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = Journal(tmp_path)
+    trajectory = Trajectory(TR, capture={"mode": "tokens"})
+    journal.open(trajectory)
+    root = _token_node(trajectory.graph, None, 1)
+    model = _token_node(trajectory.graph, root.id, 2)
+    model.calls.append({"t_start": 1.0, "t_end": 2.0})
+    real = Journal._write
+
+    def full(self, path, *parts, truncate=False):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Journal, "_write", full)
+    with pytest.raises(OSError):
+        journal.append(trajectory, 1)
+    assert journal.broken(TR)
+    monkeypatch.setattr(Journal, "_write", real)
+    second = _token_node(trajectory.graph, model.id, 3)
+    second.calls.append({"t_start": 3.0, "t_end": 4.0})
+    journal.append(trajectory, 2)
+    assert not journal.broken(TR)
+    assert _nodes(read_journal(tmp_path, TR)) == _nodes(trajectory)

@@ -62,6 +62,8 @@ class _Cursor:
     tools: int = 0
     failures: int = 0
     bin_size: int = 0
+    # A write failed (a full disk): the next append rewrites the whole journal.
+    broken: bool = False
 
 
 def journal_dir(record_dir: Path) -> Path:
@@ -137,26 +139,43 @@ class Journal:
             "meta": trajectory.meta,
             "created_at": trajectory.created_at,
         }
+        cursor = self._cursors[trajectory.id] = _Cursor(broken=True)
         self._write(lines, orjson.dumps(head) + b"\n", truncate=True)
         arrays.unlink(missing_ok=True)
-        self._cursors[trajectory.id] = _Cursor()
+        cursor.broken = False
+
+    def broken(self, trajectory_id: str) -> bool:
+        """Whether the last write of this journal failed (it is rewritten whole next time)."""
+        cursor = self._cursors.get(trajectory_id)
+        return cursor is not None and cursor.broken
 
     def append(self, trajectory: Trajectory, calls: int) -> None:
         """Journal what the last commit changed; `calls` is the trajectory's call count now.
 
-        A trajectory this journal did not open (adopted from disk) is not journaled: its
+        After a failed write (OSError, e.g. a full disk) the next append rewrites the
+        journal whole, so a journal never misses a line once the disk has room again. A
+        trajectory this journal did not open (adopted from disk) is not journaled: its
         record already exists.
         """
         cursor = self._cursors.get(trajectory.id)
         if cursor is None:
             return
+        if cursor.broken:
+            self.open(trajectory)
+            cursor = self._cursors[trajectory.id]
+            cursor.broken = True
         lines, arrays = journal_paths(self.record_dir, trajectory.id)
         blobs = _Blobs()
         line = _delta(trajectory, cursor, calls, blobs)
-        if blobs.parts:
-            self._write(arrays, *blobs.parts)
-            cursor.bin_size += blobs.size
-        self._write(lines, orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+        try:
+            if blobs.parts:
+                self._write(arrays, *blobs.parts)
+                cursor.bin_size += blobs.size
+            self._write(lines, orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+        except BaseException:
+            cursor.broken = True
+            raise
+        cursor.broken = False
 
     def remove(self, trajectory_id: str) -> None:
         """Drop a journal once its record is written (a missing one is fine)."""

@@ -179,7 +179,7 @@ class TrajectoryStore:
         if self.journal is not None:
             try:
                 self.journal.open(trajectory)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError) as exc:  # its first call tries again
                 logger.error(
                     "the crash journal of %s cannot be started in %s: %s",
                     trajectory_id,
@@ -238,15 +238,21 @@ class TrajectoryStore:
         }
         if self.journal is not None:
             # Before the answer leaves (D-44): a killed server still has this call.
+            failing = self.journal.broken(live.id)
             try:
                 self.journal.append(live.trajectory, live.calls)
             except (OSError, TypeError, ValueError) as exc:
-                logger.error(
-                    "the crash journal of %s in %s cannot be written: %s",
+                # Once per outage: a full disk would otherwise log every call.
+                (logger.debug if failing else logger.error)(
+                    "the crash journal of %s in %s cannot be written: %s; the call is "
+                    "answered, and the journal is rewritten whole once it can be",
                     live.id,
                     self.journal.directory,
                     exc,
                 )
+            else:
+                if failing:
+                    logger.warning("the crash journal of %s is written again", live.id)
 
     def note_failure(self, live: Live, status: int | None, error: str) -> None:
         """Append a failure while the trajectory is open (a sealed one records none)."""
