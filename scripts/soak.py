@@ -201,7 +201,7 @@ async def finish(trajectory_id: str, server: Server, stats: Stats, client) -> No
 
 
 async def faults(server: Server, upstream: ScriptedUpstream, disk: Disk, every: float, deadline):
-    kinds = ["resets", "slow", "disk", "kill"]
+    kinds = ["resets", "kill", "disk", "slow"]
     turn = 0
     while time.monotonic() + every < deadline:
         await asyncio.sleep(every)
@@ -275,7 +275,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--trajectories", type=int, default=256)
     parser.add_argument("--fault-every", type=float, default=15.0)
-    parser.add_argument("--disk-mib", type=int, default=512, help="tmpfs size for records")
+    parser.add_argument("--disk-mib", type=int, default=256, help="tmpfs size for records")
     args = parser.parse_args()
     random.seed(7)
     with tempfile.TemporaryDirectory() as tmp, ScriptedUpstream(chunk_delay=0.002) as upstream:
