@@ -34,6 +34,7 @@ import orjson
 
 from skycap.graph import Graph, Node, Tokens
 from skycap.record.layout import document_name, is_plain_name
+from skycap.record.writer import write_record
 from skycap.trajectory import Trajectory
 
 logger = logging.getLogger("skycap.journal")
@@ -338,13 +339,20 @@ def _head(path: Path) -> dict[str, Any]:
     return head if isinstance(head, dict) else {}
 
 
-def replay_journals(record_dir: Path, write: Write) -> Replayed:
+def replay_journals(record_dir: Path, write: Write | None = None) -> Replayed:
     """Rebuild each journal without a record and `write` its record, then drop the journal.
 
-    `write(trajectory)` writes the record (the server passes its record writer, with its
-    tokenizer's text decoding); when it raises, the trajectory is returned in `unwritten`
-    and its journal kept. Synchronous: a server runs it before it serves.
+    `write(trajectory)` writes the record: by default `write_record` into `record_dir`
+    (token nodes then carry no decoded text, which the format allows); a server passes
+    its own, with its tokenizer's text decoding. When it raises, the trajectory is
+    returned in `unwritten` and its journal kept. Synchronous: a server runs it before it
+    serves, a supervisor once before it starts its workers.
     """
+    if write is None:
+
+        def write(trajectory: Trajectory) -> None:
+            write_record(trajectory, record_dir)
+
     result = Replayed()
     for trajectory_id in pending_journals(record_dir):
         try:
