@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from server_fixtures import upstream
+from server_fixtures import make_server, upstream
 from test_server_load import URL_LINE, skycap
 from test_server_load import ServeProcess as _ServeProcess
 
@@ -215,3 +215,28 @@ def test_kill_9_mid_traffic_then_restart(slow_upstream: ScriptedUpstream, tmp_pa
     assert code == 0 and "Traceback" not in stderr
     check = subprocess.run(skycap("check", str(tmp_path)), capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_call_after_shutdown_began_is_503_and_the_status_unchanged(
+    make_server, tmp_path: Path
+) -> None:
+    import openai
+    from server_fixtures import Control
+
+    server = make_server(record_dir=tmp_path)
+    with Control(server.url) as control:
+        created = control.create()
+        client = openai.OpenAI(
+            base_url=created["base_url"], api_key=created["api_key"], max_retries=0
+        )
+        messages = [{"role": "user", "content": "before"}]
+        client.chat.completions.create(model="policy", messages=messages)
+        server.run_in_loop(server.store.close_to_calls)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(model="policy", messages=messages)
+        assert refused.value.status_code == 503
+        assert refused.value.code == "server_shutting_down"
+        assert control.document(created["id"]).json()["status"] == "open"
+    server.stop()
+    document, replies = _recorded_replies(tmp_path, created["id"])
+    assert document["status"] == "open" and replies == ["echo: before"]
