@@ -240,3 +240,48 @@ def test_a_call_after_shutdown_began_is_503_and_the_status_unchanged(
     server.stop()
     document, replies = _recorded_replies(tmp_path, created["id"])
     assert document["status"] == "open" and replies == ["echo: before"]
+
+
+def test_a_keep_alive_call_while_records_are_written_is_not_lost(
+    make_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shutdown's writes are held open; a call on a connection opened before then is
+    either refused or in the record, never answered and lost."""
+    import threading
+
+    from skycap.server import store as store_module
+
+    entered, release = threading.Event(), threading.Event()
+    real = store_module.write_record
+
+    def held_write(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    server = make_server(record_dir=tmp_path)
+    with httpx.Client(timeout=10) as client:
+        created = client.post(f"{server.url}/trajectories", json={}).json()
+        url = f"{created['base_url']}/chat/completions"
+
+        def call(content: str) -> httpx.Response:
+            body = {"model": "policy", "messages": [{"role": "user", "content": content}]}
+            return client.post(url, json=body)
+
+        assert call("before").status_code == 200
+        monkeypatch.setattr(store_module, "write_record", held_write)
+        stopping = threading.Thread(target=server.stop)
+        stopping.start()
+        assert entered.wait(30), "the shutdown write never started"
+        try:
+            late = call("during")
+        except httpx.HTTPError:
+            late = None
+        release.set()
+        stopping.join(30)
+    _, replies = _recorded_replies(tmp_path, created["id"])
+    assert "echo: before" in replies
+    if late is not None and late.status_code == 200:
+        assert "echo: during" in replies, "answered during the shutdown write, then lost"
+    else:
+        assert late is None or late.status_code == 503

@@ -159,7 +159,15 @@ class TrajectoryStore:
         self._record_host: str | None = None
         self.journal: Journal | None = None
         if self.record_dir is not None:
-            self.journal = Journal(self.record_dir, fsync=options.journal_fsync)
+            try:
+                self.journal = Journal(self.record_dir, fsync=options.journal_fsync)
+            except OSError as exc:  # serve anyway: records are still written at the end
+                logger.error(
+                    "the crash journal cannot be kept in %s: %s; a killed server would lose "
+                    "its open trajectories",
+                    self.record_dir,
+                    exc,
+                )
         self.closing = False
         # Trajectories whose record could not be written by the end of shutdown (D-44).
         self.lost: list[str] = []
