@@ -45,6 +45,7 @@ class Server:
         self.args = ["--upstream-url", upstream, "--record-dir", str(record_dir)]
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
+        self.token = ""
         self.up = asyncio.Event()
         self.kills = 0
 
@@ -61,6 +62,10 @@ class Server:
             print(f"  server: {line.rstrip()}")
         if not self.url:
             raise SystemExit("skycap serve did not start")
+        token = re.search(r"control token in (\S+) ", self.process.stderr.readline())
+        if token is None:
+            raise SystemExit("skycap serve did not say where its control token is")
+        self.token = Path(token.group(1)).read_text().strip()
         self.up.set()
 
     def kill(self) -> None:
@@ -132,7 +137,11 @@ async def trajectory_loop(
     while time.monotonic() < deadline:
         await server.up.wait()
         try:
-            created = (await client.post(f"{server.url}/trajectories", json={"meta": {}})).json()
+            created = (
+                await client.post(
+                    f"{server.url}/trajectories", json={"meta": {}}, headers=auth(server)
+                )
+            ).json()
         except httpx.HTTPError:
             stats.error("create")
             await asyncio.sleep(0.2)
@@ -165,6 +174,11 @@ async def trajectory_loop(
         await finish(trajectory_id, server, stats, client)
 
 
+def auth(server: Server) -> dict[str, str]:
+    """The control token of the server now running (a restart makes a new one)."""
+    return {"Authorization": f"Bearer {server.token}"}
+
+
 def reply_text(response: httpx.Response, stream: bool) -> str | None:
     if response.status_code != 200:
         return None
@@ -189,6 +203,7 @@ async def finish(trajectory_id: str, server: Server, stats: Stats, client) -> No
             response = await client.post(
                 f"{server.url}/trajectories/{trajectory_id}/finish",
                 json={"annotations": {"reward": 1.0}},
+                headers=auth(server),
             )
         except httpx.HTTPError:
             await asyncio.sleep(0.2)

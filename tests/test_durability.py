@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import time
@@ -42,6 +43,10 @@ class ServeProcess(_ServeProcess):
         match = URL_LINE.search(line)
         assert match, f"no start line from skycap serve: {self.before!r}"
         self.first_line, self.url = line, match.group(1)
+        token_line = self.process.stderr.readline()
+        path = re.search(r"control token in (\S+) ", token_line)
+        assert path, f"no control token line from skycap serve: {token_line!r}"
+        self.token = Path(path.group(1)).read_text().strip()
 
 
 class Traffic:
@@ -51,8 +56,9 @@ class Traffic:
     its record must hold.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str) -> None:
         self.url = url
+        self.token = token
         self.ids: list[str] = []
         self.answered: list[list[str]] = [[] for _ in range(TRAJECTORIES)]
         self.refusals: list[int] = []
@@ -63,7 +69,8 @@ class Traffic:
 
     async def run(self, stop: asyncio.Event) -> None:
         limits = httpx.Limits(max_connections=TRAJECTORIES + 8)
-        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        headers = {"Authorization": f"Bearer {self.token}"}  # harness calls send their key
+        async with httpx.AsyncClient(timeout=30, limits=limits, headers=headers) as client:
             created = [
                 (await client.post(f"{self.url}/trajectories", json={"meta": {"i": i}})).json()
                 for i in range(TRAJECTORIES)
@@ -110,9 +117,9 @@ def _reply_text(response: httpx.Response, stream: bool) -> str | None:
     )
 
 
-async def _traffic_until(url: str, calls: int, then) -> Traffic:
+async def _traffic_until(serve: ServeProcess, calls: int, then) -> Traffic:
     """Run the traffic; once `calls` are answered, call `then()` and let the traffic end."""
-    traffic = Traffic(url)
+    traffic = Traffic(serve.url, serve.token)
     stop = asyncio.Event()
     task = asyncio.create_task(traffic.run(stop))
     deadline = time.monotonic() + 60
@@ -154,7 +161,7 @@ def test_sigterm_while_50_trajectories_call(slow_upstream: ScriptedUpstream, tmp
     serve = ServeProcess("--upstream-url", slow_upstream.base_url, "--record-dir", str(tmp_path))
     try:
         sigterm = lambda: serve.process.send_signal(signal.SIGTERM)  # noqa: E731
-        traffic = asyncio.run(_traffic_until(serve.url, 150, sigterm))
+        traffic = asyncio.run(_traffic_until(serve, 150, sigterm))
         _, stderr = serve.process.communicate(timeout=60)
     finally:
         if serve.process.poll() is None:
@@ -176,7 +183,7 @@ def test_kill_9_mid_traffic_then_restart(slow_upstream: ScriptedUpstream, tmp_pa
     serve = ServeProcess(*args)
     try:
         kill = lambda: os.kill(serve.process.pid, signal.SIGKILL)  # noqa: E731
-        traffic = asyncio.run(_traffic_until(serve.url, 150, kill))
+        traffic = asyncio.run(_traffic_until(serve, 150, kill))
         serve.process.wait(30)
     finally:
         if serve.process.poll() is None:
@@ -191,7 +198,8 @@ def test_kill_9_mid_traffic_then_restart(slow_upstream: ScriptedUpstream, tmp_pa
         assert any(f"rebuilt {TRAJECTORIES} trajectories" in line for line in again.before)
         _assert_every_answer_recorded(tmp_path, traffic)
         assert not list((tmp_path / ".journal").glob("*.jsonl"))
-        with httpx.Client(base_url=again.url, timeout=30) as client:
+        headers = {"Authorization": f"Bearer {again.token}"}
+        with httpx.Client(base_url=again.url, timeout=30, headers=headers) as client:
             first = traffic.ids[0]
             document = client.get(f"/trajectories/{first}").json()
             assert document["status"] == "open" and document["ended"] is False
@@ -199,6 +207,7 @@ def test_kill_9_mid_traffic_then_restart(slow_upstream: ScriptedUpstream, tmp_pa
             call = client.post(
                 f"/t/{first}/v1/chat/completions",
                 json={"model": "policy", "messages": [{"role": "user", "content": "more"}]},
+                headers={"Authorization": "Bearer sk-any"},
             )
             assert call.status_code == 410, call.text
             assert "finish it" in call.json()["error"]["message"]
@@ -261,7 +270,8 @@ def test_a_keep_alive_call_while_records_are_written_is_not_lost(
 
     server = make_server(record_dir=tmp_path)
     with httpx.Client(timeout=10) as client:
-        created = client.post(f"{server.url}/trajectories", json={}).json()
+        auth = {"Authorization": f"Bearer {server.control_token}"}
+        created = client.post(f"{server.url}/trajectories", json={}, headers=auth).json()
         url = f"{created['base_url']}/chat/completions"
 
         def call(content: str) -> httpx.Response:

@@ -124,7 +124,7 @@ def test_serve_exits_3_when_records_are_lost(upstream, disk: SmallDisk):
         pytest.skip("needs a tmpfs (mount) to fill a disk under another process")
     serve = ServeProcess("--upstream-url", upstream.base_url, "--record-dir", str(disk.dir))
     try:
-        with Control(serve.url) as control:
+        with Control(serve.url, serve.token) as control:
             created = control.create()
             _call(created)
             disk.fill()
