@@ -143,7 +143,17 @@ class Journal:
         cursor = self._cursors[trajectory.id] = _Cursor(broken=True)
         self._write(lines, orjson.dumps(head) + b"\n", truncate=True)
         arrays.unlink(missing_ok=True)
+        self._sync_directory()
         cursor.broken = False
+
+    def _sync_directory(self) -> None:
+        """With `fsync`, a new journal file's name must survive a power loss too."""
+        if self.fsync:
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def broken(self, trajectory_id: str) -> bool:
         """Whether the last write of this journal failed (it is rewritten whole next time)."""
@@ -171,6 +181,8 @@ class Journal:
         try:
             if blobs.parts:
                 self._write(arrays, *blobs.parts)
+                if cursor.bin_size == 0:
+                    self._sync_directory()
                 cursor.bin_size += blobs.size
             self._write(lines, orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS) + b"\n")
         except BaseException:
