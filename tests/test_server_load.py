@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from server_fixtures import upstream
+from server_fixtures import upstream, wait_for
 
 from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
@@ -191,6 +191,8 @@ def test_the_mitmdump_script(upstream: ScriptedUpstream, tmp_path: Path) -> None
             pytest.fail("mitmdump did not start")
         url = f"http://{match.group(1)}"
         token_file = default_token_file(int(match.group(1).rsplit(":", 1)[1]))
+        # mitmproxy logs the listener a moment before the addon's running hook writes it.
+        wait_for(token_file.exists, 10, "the control token file")
         token = token_file.read_text().strip()
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         headers = {"Authorization": f"Bearer {token}"}

@@ -168,7 +168,7 @@ class SkycapAddon:
             with contextlib.suppress(LookupError):
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
-        await self.store.recover()
+        self.store.recover()
         self.store.start()
         assert self.options is not None
         try:

@@ -529,11 +529,13 @@ class TrajectoryStore:
             self._sweeper = loop.create_task(self._sweep_forever())
             self._retrier = loop.create_task(self._retry_forever())
 
-    async def recover(self) -> None:
+    def recover(self) -> None:
         """Replay the crash journals of servers that stopped without writing (D-44).
 
         Each comes back as a record written `ended: false`, which can be finished and takes
-        no calls; one that cannot be written stays in memory, closed, and is retried.
+        no calls; one that cannot be written stays in memory, closed, and is retried. It
+        runs on the loop, blocking it, at start: a call or finish that arrives meanwhile
+        waits and then finds the record, rather than a 404.
         """
         if self.record_dir is None:
             return
@@ -542,7 +544,7 @@ class TrajectoryStore:
         def write(trajectory: Trajectory) -> None:
             write_record(trajectory, record_dir, decode_spans=self._decode_spans)
 
-        replayed = await asyncio.to_thread(replay_journals, record_dir, write)
+        replayed = replay_journals(record_dir, write)
         for trajectory in replayed.unwritten:
             live = self._adopt(trajectory)
             live.unwritten = True
