@@ -22,6 +22,7 @@ import orjson
 
 from skycap.record.journal import Journal, replay_journals
 from skycap.record.layout import KINDS, document_name, sidecar_name
+from skycap.record.mirror import RecordMirror
 from skycap.record.reader import (
     RecordError,
     document_path,
@@ -171,6 +172,9 @@ class TrajectoryStore:
         self.closing = False
         # Trajectories whose record could not be written by the end of shutdown (D-44).
         self.lost: list[str] = []
+        self.mirror: RecordMirror | None = None
+        if options.record_mirror is not None:
+            self.mirror = RecordMirror(options.record_mirror, options.mirror_config)
         self.calls_total = 0
         self.tokens_total = 0
         self.failures_total = 0
@@ -326,10 +330,14 @@ class TrajectoryStore:
             trajectory.ended = True
             await self._release_engine(trajectory.id)
         changed = ended_now or sampled_now or trajectory.annotations != before
-        record = await self._settle(trajectory, live, changed, keep=failure is not None)
-        if failure is not None:
-            return Answer.error(500, str(failure), "path_rule_failed")
-        return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        try:
+            record = await self._settle(trajectory, live, changed, keep=failure is not None)
+            if failure is not None:
+                return Answer.error(500, str(failure), "path_rule_failed")
+            return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        finally:
+            if self.mirror is not None:  # the copy starts once the answer is built
+                self.mirror.release(trajectory.id)
 
     def _rows(
         self, trajectory: Trajectory, paths: str | None
@@ -357,7 +365,7 @@ class TrajectoryStore:
             return None
         if not changed and not (live is not None and live.unwritten):
             return self._location(trajectory.id) if live is None else None
-        files = await self._write(trajectory)
+        files = await self._write(trajectory, hold=True)
         if files is None:
             if live is None:
                 live = self._adopt(trajectory)
@@ -396,17 +404,18 @@ class TrajectoryStore:
 
     # -- records -------------------------------------------------------------------------------
 
-    async def _write(self, trajectory: Trajectory, *, retry: bool = False) -> list[str] | None:
+    async def _write(
+        self, trajectory: Trajectory, *, hold: bool = False, retry: bool = False
+    ) -> list[str] | None:
         """Write off the event loop, then drop its journal; None (logged) when it failed.
+        With `hold`, the mirror's copy waits for `mirror.release` (a finish's answer).
 
         A failed write is an error (D-44): the trajectory stays in memory, `/healthz`
         answers 503 and the write is retried; a retry's failure is logged at debug only.
         """
         assert self.record_dir is not None
         try:
-            files = await asyncio.to_thread(
-                write_record, trajectory, self.record_dir, decode_spans=self._decode_spans
-            )
+            files = await asyncio.to_thread(self._write_files, trajectory, hold)
         except Exception as exc:  # a failed write keeps the trajectory in memory for a retry
             (logger.debug if retry else logger.error)(
                 "the record of %s cannot be written to %s: %s: %s; kept in memory and "
@@ -422,6 +431,14 @@ class TrajectoryStore:
             logger.warning("the record of %s was written on a retry", trajectory.id)
         if self.journal is not None:
             self.journal.remove(trajectory.id)
+        return files
+
+    def _write_files(self, trajectory: Trajectory, hold: bool) -> list[str]:
+        """The local atomic write, then (fail-open) the mirror's copy of exactly those files."""
+        assert self.record_dir is not None
+        files = write_record(trajectory, self.record_dir, decode_spans=self._decode_spans)
+        if self.mirror is not None:
+            self.mirror.submit(self.record_dir, trajectory.id, files, hold=hold)
         return files
 
     async def _load(self, trajectory_id: str) -> Trajectory | Answer:
@@ -440,12 +457,17 @@ class TrajectoryStore:
             names = [sidecar_name(trajectory_id, kind) for kind in KINDS]
             files = [n for n in names if (self.record_dir / n).is_file()]
             files.append(document_name(trajectory_id))
-        return {
+        location = {
             "host": self.record_host(),
             "path": str(self.record_dir / document_name(trajectory_id)),
             "mirror": None,
             "files": files,
+            "mirror_state": None,
+            "mirror_error": None,
         }
+        if self.mirror is not None:
+            location.update(self.mirror.location(trajectory_id, files))
+        return location
 
     def record_host(self) -> str:
         """`--record-host`, else a non-loopback advertise host, else the primary address."""
@@ -475,6 +497,16 @@ class TrajectoryStore:
             return Answer(200, await asyncio.to_thread(_stored_document, path))
         except (RecordError, OSError) as exc:
             return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
+
+    def record_location(self, trajectory_id: str) -> Answer:
+        """`GET /trajectories/{id}/record`: where the record is and its mirror copy's state
+        now (the finish answer's `record` object, which is taken at finish time)."""
+        if not self.on_disk(trajectory_id):
+            live = self._live.get(trajectory_id)
+            if live is not None:
+                return Answer.error(404, f"trajectory {trajectory_id} has no record yet")
+            return Answer.error(404, UNKNOWN)
+        return Answer.json(200, self._location(trajectory_id))
 
     def listing(self) -> list[dict[str, Any]]:
         """The live trajectories, newest first, with the fields of D-7."""
@@ -509,7 +541,7 @@ class TrajectoryStore:
 
     def health(self) -> dict[str, Any]:
         unwritten = self.unwritten()
-        return {
+        health = {
             "ok": not unwritten,
             "unwritten_records": unwritten,
             "open_trajectories": sum(1 for x in self._live.values() if x.trajectory.status == OPEN),
@@ -518,6 +550,9 @@ class TrajectoryStore:
             "tokens_total": self.tokens_total,
             "failures_total": self.failures_total,
         }
+        if self.mirror is not None:
+            health["record_mirror"] = self.mirror.health()
+        return health
 
     # -- TTL and shutdown (http.md §6) -----------------------------------------------------------
 
@@ -627,6 +662,8 @@ class TrajectoryStore:
         self._sweeper = self._retrier = None
         self.close_to_calls()
         await asyncio.gather(*(self._shutdown_one(live) for live in list(self._live.values())))
+        if self.mirror is not None:  # waits at most shutdown_timeout, then reports the rest
+            await asyncio.to_thread(self.mirror.close)
         if self.record_dir is not None:
             self.lost = self.unwritten()
             if self.lost:
