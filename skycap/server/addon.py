@@ -191,6 +191,7 @@ class SkycapAddon:
             with contextlib.suppress(LookupError):
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
+        self.store.recover()
         self.store.start()
         if self.backend is not None:
             await self.backend.start()  # learns the served model name (D-41)
@@ -230,6 +231,11 @@ class SkycapAddon:
             ) from None
         self.token_file = path
         return path
+
+    def close_to_calls(self) -> None:
+        """Shutdown's first step, before connections close (D-44): no trajectory takes calls."""
+        if self.store is not None and self.running_loop is not None:
+            self.store.close_to_calls()
 
     async def done(self) -> None:
         if self.store is None or self.running_loop is None:

@@ -25,6 +25,7 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
+| `--journal-fsync` | `journal_fsync` (D-44) | `skycap_journal_fsync` |
 | `--record-mirror URL` | `record_mirror` | `skycap_record_mirror` |
 | `--record-mirror-config JSON` | `record_mirror_config` | `skycap_record_mirror_config` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
@@ -101,6 +102,7 @@ class ServerOptions:
     generation_config: str | None = None
     record_dir: str | Path | None = None
     record_host: str | None = None
+    journal_fsync: bool = False
     # A URL may carry user:password@ and the config storage_options credentials: never in
     # a repr (logs, tracebacks); the mirror shows its URL redacted.
     record_mirror: str | None = field(default=None, repr=False)
@@ -518,6 +520,13 @@ FLAGS: tuple[Flag, ...] = (
         "record_host",
         "record.host in finish replies (default: this machine's primary address)",
         metavar="ADDRESS",
+    ),
+    Flag(
+        "--journal-fsync",
+        "journal_fsync",
+        "fsync each crash-journal line before the answer (survives power loss, not only a "
+        "killed server; costs a disk flush per call)",
+        convert=None,
     ),
     Flag(
         "--record-mirror",
