@@ -201,9 +201,8 @@ def run_once(claude: str, mode: str, route: str) -> Outcome:
                     stdin=subprocess.DEVNULL,
                 )
                 if done.returncode != 0:
-                    raise RuntimeError(
-                        f"claude exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
-                    )
+                    output = f"{done.stdout[-2000:]} {done.stderr[-2000:]}"
+                    raise RuntimeError(f"claude exited {done.returncode}: {output}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 document = http.get(f"/trajectories/{created['id']}").json()
                 finished = http.post(f"/trajectories/{created['id']}/finish", json={}).json()
