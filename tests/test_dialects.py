@@ -236,3 +236,31 @@ def test_a_messages_stream_without_a_stop_reason_names_the_reported_error() -> N
 def test_anthropic_error_types_follow_the_status(status: int, kind: str) -> None:
     body = orjson.loads(anthropic_error(status, "why", "code_x"))
     assert body == {"type": "error", "error": {"type": kind, "message": "why", "code": "code_x"}}
+
+
+@pytest.mark.parametrize(
+    ("field", "keys"),
+    [
+        ("both", {"reasoning_content", "reasoning"}),
+        ("reasoning_content", {"reasoning_content"}),
+        ("reasoning", {"reasoning"}),
+    ],
+)
+def test_reasoning_field_picks_the_reply_keys(field: str, keys: set[str]) -> None:
+    from skycap.tokens.reply import answered_message
+
+    stored = {"role": "assistant", "content": "ok", "reasoning_content": "r"}
+    answered = answered_message(stored, use_raw_content=False, reasoning_field=field)
+    assert {k for k in answered if k.startswith("reasoning")} == keys
+    assert all(answered[k] == "r" for k in keys) and stored["reasoning_content"] == "r"
+    replay = CHAT.read({"messages": [answered]}).messages[0]
+    assert message_hash(replay) == message_hash(stored)  # either key folds back (D-35)
+
+
+def test_reasoning_field_is_checked_by_the_options() -> None:
+    from skycap.server.options import ServerOptions
+
+    with pytest.raises(ValueError, match=r"reasoning_field \(--reasoning-field\) must be one of"):
+        ServerOptions("http://e:8000", reasoning_field="thinking")
+    with pytest.raises(ValueError, match=r"upstream_auth \(--upstream-auth\) must be one of"):
+        ServerOptions("http://e:8000/v1", upstream_auth="basic")
