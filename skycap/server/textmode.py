@@ -161,7 +161,7 @@ class TextCall:
         self.mode = mode
         self._flow = weakref.ref(flow)
         self.live = live
-        self.request = request
+        self.request: Request | None = request
         self.entry = entry
         self.dialect = dialect
         self.t_start = time.time()
@@ -208,7 +208,7 @@ class TextCall:
         self.entry.settle(replay)
         self.live.inflight.pop(self, None)
         self.live.touch()
-        self.body = {}
+        self.request = None  # the parsed body may be large: free it with the call (issue 17)
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
