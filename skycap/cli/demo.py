@@ -34,7 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="auto: token mode when the bundled Qwen3 tokenizer is installed, else text",
     )
     parser.add_argument(
-        "--record-dir", type=Path, default=Path("records"), help="where records are written"
+        "--record-dir",
+        type=Path,
+        default=Path("records"),
+        help="where records are written (default ./records)",
     )
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
+DEFAULT_RECORD_DIR = "records"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -13,6 +15,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from skycap.server.options import add_arguments
 
     add_arguments(parser)
+    # D-31: a server keeps its records unless told not to.
+    parser.add_argument(
+        "--no-record-dir",
+        action="store_true",
+        help="keep records in memory only (lost when the server stops; default: ./records)",
+    )
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -34,8 +42,13 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     parser: argparse.ArgumentParser = args.serve_parser
+    if args.no_record_dir and args.record_dir is not None:
+        parser.error("--record-dir and --no-record-dir exclude each other; give one")
+    values = vars(args)
+    if not args.no_record_dir and args.record_dir is None:
+        values = {**values, "record_dir": DEFAULT_RECORD_DIR}
     try:
-        options = from_values(vars(args))
+        options = from_values(values)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
@@ -44,13 +57,21 @@ def run(args: argparse.Namespace) -> int:
         settle_garbage_collector()
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
-        lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        lines = [
+            f"skycap {options.mode} mode listening on {url} (upstream {upstream})",
+            records_line(options),
+        ]
         if addon.proxy is not None:
             lines.append(
                 f"HTTPS_PROXY listener on {options.host}:{addon.proxy.port} "
                 f"(CA bundle {addon.proxy.ca.bundle})"
             )
         print("\n".join(lines), file=sys.stderr, flush=True)
+        if options.record_dir is None:
+            log.warning(
+                "--no-record-dir: records are kept in memory only and are lost when the "
+                "server stops; fetch them with finish or GET /trajectories/{id} first"
+            )
         if options.binds_beyond_loopback:
             log.warning(
                 "listening on %s: the control routes are unauthenticated and reachable from "
@@ -89,3 +110,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def records_line(options: Any) -> str:
+    """Where records go and when idle trajectories end, for the start line (D-31)."""
+    if options.record_dir is None:
+        return "records: memory only (--no-record-dir); idle trajectories never expire"
+    return (
+        f"records: {options.record_dir}; a trajectory idle for {options.ttl:g} s is ended "
+        "as abandoned and written (--ttl)"
+    )

@@ -400,7 +400,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--record-dir",
         "record_dir",
-        "record directory; without it trajectories stay in memory and never expire",
+        "record directory (skycap serve: default ./records, --no-record-dir keeps records in "
+        "memory only; mitmdump and CaptureService: none, memory only)",
         metavar="DIR",
     ),
     Flag(
