@@ -153,6 +153,7 @@ class TrajectoryStore:
         self.calls_total = 0
         self.tokens_total = 0
         self._failures_total = 0
+        self.ended_total = 0
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_ENDED)
 
     # -- lookup and creation -----------------------------------------------------------------
@@ -443,6 +444,7 @@ class TrajectoryStore:
         """Remember a trajectory that ended now (finish or TTL) for `recent()` (D-49)."""
         if live is None:  # read back from disk: it ended in an earlier process
             return
+        self.ended_total += 1
         now = time.time()
         row = _row(live, now)
         row["ended_at"] = now
@@ -460,6 +462,7 @@ class TrajectoryStore:
             "calls_total": self.calls_total,
             "tokens_total": self.tokens_total,
             "failures_total": self.failures_total,
+            "ended_total": self.ended_total,
         }
 
     # -- TTL and shutdown (http.md §6) -----------------------------------------------------------
