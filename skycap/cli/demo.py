@@ -31,7 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--mode",
         choices=["auto", "tokens", "text"],
         default="auto",
-        help="auto: token mode when the bundled Qwen3 tokenizer is installed, else text",
+        help="auto: token mode when the bundled Qwen3 tokenizer is installed, else text "
+        "(default auto)",
     )
     parser.add_argument(
         "--record-dir",

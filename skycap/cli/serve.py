@@ -19,7 +19,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-record-dir",
         action="store_true",
-        help="keep records in memory only (lost when the server stops; default: ./records)",
+        help="keep records in memory only, lost when the server stops (default off: ./records)",
     )
     parser.add_argument(
         "--log-level",

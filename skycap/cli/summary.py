@@ -21,8 +21,15 @@ REWARD_BUCKETS = 10
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", metavar="DIR", nargs="+", help="record directories")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "dirs",
+        metavar="DIR",
+        nargs="+",
+        help="record directories, or folders of them (one per run, two levels down)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the figures as JSON (default: tables)"
+    )
     parser.set_defaults(summary_parser=parser)
 
 
@@ -214,17 +221,22 @@ def reward_stats(values: Sequence[float], of: int) -> dict[str, Any]:
 
 def summarise_directory(record_dir: Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
     """(stats, errors) for one directory; unreadable documents become errors, never exceptions."""
+    from skycap.cli.folders import Progress
     from skycap.linearity import MalformedDocument
     from skycap.record.reader import RecordError, document_path, read_document, record_ids
 
     rows, errors = [], []
-    for trajectory_id in record_ids(record_dir):
-        try:
-            rows.append(document_stats(read_document(document_path(record_dir, trajectory_id))))
-        except (RecordError, MalformedDocument) as exc:
-            errors.append({"id": trajectory_id, "error": str(exc)})
-        except (OSError, ValueError, TypeError) as exc:
-            errors.append({"id": trajectory_id, "error": f"{type(exc).__name__}: {exc}"})
+    ids = record_ids(record_dir)
+    with Progress(f"skycap summary {record_dir}", len(ids)) as progress:
+        for trajectory_id in ids:
+            progress.step()
+            try:
+                document = read_document(document_path(record_dir, trajectory_id))
+                rows.append(document_stats(document))
+            except (RecordError, MalformedDocument) as exc:
+                errors.append({"id": trajectory_id, "error": str(exc)})
+            except (OSError, ValueError, TypeError) as exc:
+                errors.append({"id": trajectory_id, "error": f"{type(exc).__name__}: {exc}"})
     return directory_stats(rows, len(errors)), errors
 
 
@@ -333,26 +345,28 @@ def _print_tables(results: Sequence[Mapping[str, Any]], elapsed_ms: Sequence[flo
 
 
 def run(args: argparse.Namespace) -> int:
-    for d in args.dirs:
-        if not Path(d).is_dir():
-            parser: argparse.ArgumentParser = args.summary_parser
-            parser.print_usage(sys.stderr)
-            print(f"{parser.prog}: error: {d} is not a directory", file=sys.stderr)
-            return 2
+    from skycap.cli.folders import record_folders
+
+    folders = record_folders(args.dirs)
+    if isinstance(folders, str):
+        parser: argparse.ArgumentParser = args.summary_parser
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {folders}", file=sys.stderr)
+        return 2
     import skycap.record.reader  # noqa: F401  (imported before the clock starts)
 
     results, elapsed = [], []
-    for d in args.dirs:
+    for folder in folders:
         started = time.perf_counter()
         try:
-            stats, errors = summarise_directory(Path(d))
+            stats, errors = summarise_directory(folder)
         except OSError as exc:
             stats, errors = (
                 directory_stats([], 0),
-                [{"id": "-", "error": f"cannot list {d}: {exc}"}],
+                [{"id": "-", "error": f"cannot list {folder}: {exc}"}],
             )
         elapsed.append((time.perf_counter() - started) * 1000)
-        results.append({"dir": d, "stats": stats, "errors": errors})
+        results.append({"dir": str(folder), "stats": stats, "errors": errors})
     if args.json:
         print(json.dumps(results, indent=1))
     else:

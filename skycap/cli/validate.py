@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 HELP = "Check record directories against the record rules (exit 0 clean, 1 problems, 2 usage)."
 
@@ -20,11 +19,16 @@ def _limit(text: str) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="record directories to check")
+    parser.add_argument(
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="record directories, or folders of them (one per run, two levels down)",
+    )
     parser.add_argument(
         "--sidecars",
         action="store_true",
-        help="also decode each tokens sidecar and check it against its document",
+        help="also decode each tokens sidecar and check it against its document (default off)",
     )
     parser.add_argument(
         "--limit",
@@ -36,15 +40,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skycap.viewer.validate import check_directory
+    from skycap.cli.folders import Progress, record_folders
+    from skycap.viewer.validate import check_directory, document_ids
 
-    for directory in args.dirs:
-        if not Path(directory).is_dir():
-            print(f"skycap validate: error: {directory} is not a directory", file=sys.stderr)
-            return 2
+    folders = record_folders(args.dirs)
+    if isinstance(folders, str):
+        print(f"skycap validate: error: {folders}", file=sys.stderr)
+        return 2
     bad = 0
-    for directory in args.dirs:
-        report = check_directory(Path(directory), sidecars=args.sidecars, limit=args.limit)
+    for folder in folders:
+        ids = document_ids(folder)
+        with Progress(f"skycap validate {folder}", len(ids)) as progress:
+            report = check_directory(
+                folder, sidecars=args.sidecars, limit=args.limit, ids=ids, on_document=progress.step
+            )
         for line in report.lines + report.footer():
             print(line)
         bad += report.bad

@@ -320,12 +320,12 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--mode", "mode", "capture mode", default="text", choices=MODES),
+    Flag("--mode", "mode", "capture mode (default text)", default="text", choices=MODES),
     Flag(
         "--upstream-url",
         "upstream_url",
         "text mode: the model server's OpenAI base URL including /v1; token mode: the "
-        "engine root (required, except in text mode with --proxy-port)",
+        "engine root (no default: required, except in text mode with --proxy-port)",
         metavar="URL",
     ),
     Flag(
@@ -353,8 +353,18 @@ FLAGS: tuple[Flag, ...] = (
         default="8080",
         addon=False,
     ),
-    Flag("--tokenizer", "tokenizer", "token mode: tokenizer name or folder", metavar="NAME"),
-    Flag("--renderer", "renderer_name", "token mode: renderer name", metavar="NAME"),
+    Flag(
+        "--tokenizer",
+        "tokenizer",
+        "token mode: tokenizer name or folder (no default: required in token mode)",
+        metavar="NAME",
+    ),
+    Flag(
+        "--renderer",
+        "renderer_name",
+        "token mode: renderer name (default: chosen from the tokenizer's name)",
+        metavar="NAME",
+    ),
     Flag(
         "--renderer-pool-size",
         "renderer_pool_size",
@@ -365,26 +375,36 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--chat-template-kwargs",
         "chat_template_kwargs",
-        "token mode: JSON object passed to the chat template",
+        "token mode: JSON object passed to the chat template (default: none)",
         convert=_json_object("--chat-template-kwargs"),
         metavar="JSON",
     ),
-    Flag("--model", "model", "model name sent to the engine and listed on /models"),
+    Flag(
+        "--model",
+        "model",
+        "model name sent to the engine and listed on /models (default: the request's)",
+    ),
     Flag(
         "--max-model-len",
         "max_model_len",
-        "token mode: context length used to clamp max_tokens and refuse long prompts",
+        "token mode: context length used to clamp max_tokens and refuse long prompts "
+        "(default: no limit)",
         convert=_number(int, "--max-model-len"),
         metavar="N",
     ),
     Flag(
         "--sampling-overrides",
         "sampling_overrides",
-        "token mode: JSON object of sampling parameters imposed on every call",
+        "token mode: JSON object of sampling parameters imposed on every call (default: none)",
         convert=_json_object("--sampling-overrides"),
         metavar="JSON",
     ),
-    Flag("--sampling-mask", "sampling_mask", "token mode: ask for sampling masks", convert=None),
+    Flag(
+        "--sampling-mask",
+        "sampling_mask",
+        "token mode: ask for sampling masks (default off)",
+        convert=None,
+    ),
     Flag(
         "--logprobs-mode",
         "logprobs_mode",
@@ -394,7 +414,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--use-raw-content",
         "use_raw_content",
-        "token mode: reply with the completion's raw decoded text",
+        "token mode: reply with the completion's raw decoded text (default off: parsed)",
         convert=None,
     ),
     Flag(
@@ -420,7 +440,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--path-rule",
         "path_rules",
-        "custom path rule, repeatable; without NAME= it is named by its import path",
+        "custom path rule, repeatable; without NAME= it is named by its import path "
+        "(default: only the built-in rules)",
         convert=_path_rules,
         metavar="[NAME=]MODULE:FUNCTION",
         repeat=True,
@@ -428,7 +449,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--require-api-key",
         "require_api_key",
-        "require each trajectory's api_key on the harness routes",
+        "require each trajectory's api_key on the harness routes (default off)",
         convert=None,
     ),
     Flag(
@@ -450,7 +471,7 @@ FLAGS: tuple[Flag, ...] = (
         "--proxy-port",
         "proxy_port",
         "also listen as an HTTPS_PROXY on this port (0 lets the OS choose); a trajectory is "
-        "named by the proxy credentials that POST /trajectories returns",
+        "named by the proxy credentials that POST /trajectories returns (default: off)",
         convert=_number(int, "--proxy-port"),
         metavar="PORT",
         addon=False,

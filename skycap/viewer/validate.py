@@ -9,7 +9,7 @@ as `absent`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -462,10 +462,18 @@ def check_document(record_dir: Path, doc_id: str, *, sidecars: bool) -> tuple[li
 
 
 def check_directory(
-    record_dir: Path, *, sidecars: bool = False, limit: int = DEFAULT_LIMIT
+    record_dir: Path,
+    *,
+    sidecars: bool = False,
+    limit: int = DEFAULT_LIMIT,
+    ids: list[str] | None = None,
+    on_document: Callable[[], None] | None = None,
 ) -> DirectoryReport:
+    """Check `ids` (default: every document in `record_dir`); `on_document` after each one."""
     report = DirectoryReport(directory=str(record_dir), sidecars=sidecars)
-    for doc_id in document_ids(record_dir):
+    for doc_id in document_ids(record_dir) if ids is None else ids:
+        if on_document is not None:
+            on_document()
         problems, missing = check_document(record_dir, doc_id, sidecars=sidecars)
         report.documents += 1
         for kind in missing:
