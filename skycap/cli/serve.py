@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if options.binds_beyond_loopback:
             log.warning(
                 "listening on %s: the control routes are unauthenticated and reachable from "
-                "other machines (D-6)",
+                "other machines",
                 options.host,
             )
 
