@@ -24,7 +24,7 @@ DOCS = sorted(
 )
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # A file name a reader would look for: `http.md`, docs/proxy.md, ../shared/spec/format.md.
-NAMED_FILE = re.compile(r"(?<![\w/.-])((?:\.\.?/)?[\w./-]*\w\.(?:md|py|png|json|toml))\b")
+NAMED_FILE = re.compile(r"(?<![\w/.-])((?:\.\.?/)?[\w./-]*\w\.(?:md|py))\b")
 DECISION = re.compile(r"\bD-\d+\b")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.S | re.M)
 SHELL = {"sh", "bash", "shell", "console", ""}
