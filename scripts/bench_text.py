@@ -27,6 +27,9 @@ from pathlib import Path
 import httpx
 import orjson
 
+from skycap.control_token import ENV as CONTROL_TOKEN_ENV
+from skycap.control_token import new_control_token
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent. " * 8},
@@ -69,7 +72,8 @@ def role_proxy(kind: str, upstream_url: str) -> None:
     from skycap.server.options import ServerOptions
     from skycap.server.runner import serve, settle_garbage_collector
 
-    options = ServerOptions(upstream_url)
+    # The parent made the control token and passes it down in the environment.
+    options = ServerOptions(upstream_url, control_token=os.environ[CONTROL_TOKEN_ENV])
     addons = None
     if kind == "noop":
         _, host, port = options.upstream_origin
@@ -178,7 +182,11 @@ def chat_urls(target: str, base: str, workers: int) -> list[str]:
         return [f"{base}/v1/chat/completions"] * workers
     urls = []
     for _ in range(workers):
-        created = httpx.post(f"{base}/trajectories", json={"meta": {"bench": True}}).json()
+        created = httpx.post(
+            f"{base}/trajectories",
+            json={"meta": {"bench": True}},
+            headers={"authorization": f"Bearer {os.environ[CONTROL_TOKEN_ENV]}"},
+        ).json()
         urls.append(f"{created['base_url']}/chat/completions")
     return urls
 
@@ -265,6 +273,7 @@ def main() -> None:
             role_proxy(args.role[0], args.role[1])
         return
     levels = [int(c) for c in args.concurrency.split(",")]
+    os.environ[CONTROL_TOKEN_ENV] = new_control_token()  # the children inherit it
     upstream = Child("upstream")
     noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
     targets = {

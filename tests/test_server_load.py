@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import orjson
 import pytest
 from server_fixtures import upstream
 
+from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.record.reader import read_document
 
@@ -47,6 +49,10 @@ class ServeProcess:
         match = URL_LINE.search(self.first_line)
         assert match, f"no start line from skycap serve: {self.first_line!r}"
         self.url = match.group(1)
+        token_line = self.process.stderr.readline()
+        path = re.search(r"control token in (\S+) ", token_line)
+        assert path, f"no control token line from skycap serve: {token_line!r}"
+        self.token = Path(path.group(1)).read_text().strip()
 
     def terminate(self, timeout: float = 30) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)
@@ -92,9 +98,10 @@ async def run_trajectory(client: httpx.AsyncClient, url: str, index: int) -> str
     return created["id"]
 
 
-async def load(url: str) -> list[str]:
+async def load(url: str, token: str) -> list[str]:
     limits = httpx.Limits(max_connections=TRAJECTORIES + 8, max_keepalive_connections=TRAJECTORIES)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {token}"}  # harness calls send their own key
+    async with httpx.AsyncClient(timeout=60, limits=limits, headers=headers) as client:
         return await asyncio.gather(*(run_trajectory(client, url, i) for i in range(TRAJECTORIES)))
 
 
@@ -103,7 +110,7 @@ def test_64_concurrent_trajectories_then_sigterm(
 ) -> None:
     # The start line shows at the default log level, as news rather than a warning.
     assert serve.first_line.startswith("skycap text mode listening on http://127.0.0.1:")
-    ids = asyncio.run(load(serve.url))
+    ids = asyncio.run(load(serve.url, serve.token))
     assert len(set(ids)) == TRAJECTORIES
     code, stderr = serve.terminate()
     assert code == 0 and "Traceback" not in stderr
@@ -128,12 +135,13 @@ def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
     serve = ServeProcess("--upstream-url", upstream.base_url, "--ttl", "90", cwd=tmp_path)
     records = tmp_path / "records"
     try:
-        where = serve.process.stderr.readline()
+        where = serve.process.stderr.readline()  # after the listening and token lines
         assert where.strip() == (
             f"records: {records}; a trajectory idle for 90 s is ended as abandoned and "
             "written (--ttl)"
         )
-        created = httpx.post(f"{serve.url}/trajectories", json={}).json()
+        headers = {"Authorization": f"Bearer {serve.token}"}
+        created = httpx.post(f"{serve.url}/trajectories", json={}, headers=headers).json()
     finally:
         code, rest = serve.terminate()
     assert code == 0 and "WARNING" not in rest
@@ -213,14 +221,23 @@ def test_the_mitmdump_script(upstream: ScriptedUpstream, tmp_path: Path) -> None
     )
     try:
         assert process.stdout is not None
+        match = written = None
         for line in process.stdout:
-            match = re.search(r"listening at (127\.0\.0\.1:\d+)", line)
-            if match:
+            match = match or re.search(r"listening at (127\.0\.0\.1:\d+)", line)
+            # The addon writes the token once mitmproxy runs, which may be after its own line.
+            written = written or re.search(r"the control token is in (\S+)", line)
+            if match and written:
                 break
         else:
             pytest.fail("mitmdump did not start")
         url = f"http://{match.group(1)}"
-        created = httpx.post(f"{url}/trajectories", json={}).json()
+        token_file = default_token_file(int(match.group(1).rsplit(":", 1)[1]))
+        assert Path(written.group(1)) == token_file
+        token = token_file.read_text().strip()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        headers = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(f"{url}/trajectories", json={}).status_code == 401
+        created = httpx.post(f"{url}/trajectories", json={}, headers=headers).json()
         assert created["base_url"] == f"{url}/t/{created['id']}/v1"
         reply = httpx.post(
             f"{created['base_url']}/chat/completions",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -31,7 +32,10 @@ def server() -> Iterator[tuple[CaptureService, ScriptedUpstream]]:
 def _create(url: str, meta: dict) -> dict:
     import httpx
 
-    return httpx.post(f"{url}/trajectories", json={"meta": meta}).json()
+    from skycap.control_token import find_control_token
+
+    headers = {"Authorization": f"Bearer {find_control_token(url)}"}
+    return httpx.post(f"{url}/trajectories", json={"meta": meta}, headers=headers).json()
 
 
 def _call(created: dict, content: str, temperature: float = 0.5) -> None:
@@ -41,12 +45,17 @@ def _call(created: dict, content: str, temperature: float = 0.5) -> None:
     )
 
 
-def _top(*args: str) -> subprocess.CompletedProcess:
+def _top(url: str, *args: str) -> subprocess.CompletedProcess:
+    """`top --once` in a subprocess, given the in-process server's token the default way."""
+    from skycap.control_token import find_control_token
+
+    env = {**os.environ, "SKYCAP_CONTROL_TOKEN": find_control_token(url) or ""}
     return subprocess.run(
-        [sys.executable, "-m", "skycap.cli.main", "top", "--once", *args],
+        [sys.executable, "-m", "skycap.cli.main", "top", "--once", url, *args],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
 
 
@@ -109,11 +118,12 @@ def _wait_for(pane: Callable[[], str], text: str, timeout: float = 20.0) -> str:
 class Pane:
     """`skycap top` running in a detached tmux session of a fixed size."""
 
-    def __init__(self, url: str, width: int, height: int) -> None:
+    def __init__(self, service: CaptureService, width: int, height: int) -> None:
         self.session = f"skycap-top-{uuid.uuid4().hex[:8]}"
         # pytest exports COLUMNS=80/LINES=24, which would pin the pane's width.
-        command = f"env -u COLUMNS -u LINES {sys.executable} -m skycap.cli.main top "
-        command += f"--interval 0.2 {url}"
+        command = f"env -u COLUMNS -u LINES TOP_TOKEN={service.control_token} {sys.executable} "
+        command += "-m skycap.cli.main top --control-token-env TOP_TOKEN --interval 0.2 "
+        command += str(service.url)
         subprocess.run(
             [
                 "tmux",
@@ -161,7 +171,7 @@ needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 @needs_tmux
 def test_live_view_updates_and_survives_the_server_going_away(server) -> None:
     service, _ = server
-    pane = Pane(service.url, 160, 50)
+    pane = Pane(service, 160, 50)
     try:
         pane.wait_for("live trajectories (0)")
         created = _create(service.url, {"task": "live", "step": 1})
@@ -211,6 +221,7 @@ def token_run(token_server_options, scripted_engine, tmp_path_factory):
             finished = httpx.post(
                 f"{service.url}/trajectories/{trajectory['id']}/finish",
                 json={"annotations": {"reward": 0.5}},
+                headers={"Authorization": f"Bearer {service.control_token}"},
             )
             assert finished.status_code == 200
         yield service, created
@@ -224,10 +235,11 @@ def _init_fields(options) -> list[str]:
     return [f.name for f in dataclasses.fields(options) if f.init]
 
 
-def _health(url: str) -> dict:
+def _health(service: CaptureService) -> dict:
     import httpx
 
-    return httpx.get(f"{url}/healthz").json()
+    headers = {"Authorization": f"Bearer {service.control_token}"}
+    return httpx.get(f"{service.url}/healthz", headers=headers).json()
 
 
 def _numbers_whole(screen: str) -> None:
@@ -240,9 +252,9 @@ def _numbers_whole(screen: str) -> None:
 @needs_tmux
 def test_top_holds_a_token_run_at_80x24(token_run) -> None:
     service, created = token_run
-    health = _health(service.url)
+    health = _health(service)
     assert health["failures_total"] == 4 and health["ended_total"] == 2
-    pane = Pane(service.url, 80, 24)
+    pane = Pane(service, 80, 24)
     try:
         screen = pane.wait_for("live trajectories (18)")
         lines = screen.splitlines()
@@ -304,8 +316,8 @@ def test_top_holds_a_token_run_at_80x24(token_run) -> None:
 @needs_tmux
 def test_top_shows_every_column_at_160x45(token_run) -> None:
     service, created = token_run
-    health = _health(service.url)
-    pane = Pane(service.url, 160, 45)
+    health = _health(service)
+    pane = Pane(service, 160, 45)
     try:
         screen = pane.wait_for("live trajectories (18)")
         _numbers_whole(screen)

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 HELP = "live dashboard of capture servers: totals, rates, failures, live and ended trajectories"
 SORTS = ("age", "idle", "calls", "nodes", "paths", "unbridged", "failures", "latency")
-DEFAULT_TOKEN_ENV = "SKYCAP_CONTROL_TOKEN"
 
 # Terminal input: escape sequences of the keys `skycap top` uses, longest first.
 _SEQUENCES = {
@@ -48,6 +47,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "is down; default: a live view)",
     )
     parser.add_argument(
+        "--control-token-env",
+        metavar="NAME",
+        help="environment variable holding the servers' control token (default: "
+        "SKYCAP_CONTROL_TOKEN, else the file skycap serve wrote for each port on this machine)",
+    )
+    parser.add_argument(
         "--sort",
         default="age",
         choices=SORTS,
@@ -58,13 +63,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="",
         metavar="WORDS",
         help="initial filter, e.g. 'task:alpha step:3 status:failed' (default: none; / edits it)",
-    )
-    parser.add_argument(
-        "--control-token-env",
-        default=DEFAULT_TOKEN_ENV,
-        metavar="NAME",
-        help="environment variable holding the servers' control token "
-        f"(default {DEFAULT_TOKEN_ENV})",
     )
 
 
@@ -123,8 +121,18 @@ def run(args: argparse.Namespace) -> int:
     from skycap.dashboard.poll import Poller
     from skycap.dashboard.view import DETAIL, SORT_NAMES, View, render
 
+    token = None
+    if args.control_token_env:
+        token = os.environ.get(args.control_token_env)
+        if not token:
+            print(
+                f"skycap top: --control-token-env {args.control_token_env}: the variable is "
+                "not set or empty",
+                file=sys.stderr,
+            )
+            return 2
     view = View(sort=SORT_NAMES[args.sort], query=args.filter.strip())
-    poller = Poller(args.urls, token=os.environ.get(args.control_token_env) or None)
+    poller = Poller(args.urls, control_token=token)
     try:
         if args.once:
             poller.poll()

@@ -2,8 +2,8 @@
 
 It reads only `GET /healthz`, `GET /trajectories` (live rows), `GET /trajectories?ended=recent`
 (the ring of recently ended trajectories) and, for the detail view, `GET /trajectories/{id}`,
-so it works against any skycap server and never imports mitmproxy. Rates come from the
-cumulative counters of two consecutive polls.
+with the control token, so it works against any skycap server and never imports mitmproxy.
+Rates come from the cumulative counters of two consecutive polls.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from skycap.control_token import find_control_token
 
 
 @dataclass
@@ -58,14 +60,16 @@ class ServerState:
 class Poller:
     """Polls every server once per `poll()`; a server that fails is shown as down.
 
-    `token` is the control token (sent as `Authorization: Bearer`), for servers that
-    require one on their control routes.
+    `control_token` is sent as `Authorization: Bearer` to every server; without it each
+    server gets the token found for it (`find_control_token`).
     """
 
-    def __init__(self, urls: list[str], *, timeout: float = 2.0, token: str | None = None) -> None:
+    def __init__(
+        self, urls: list[str], *, timeout: float = 2.0, control_token: str | None = None
+    ) -> None:
         self.servers = [ServerState(url.rstrip("/")) for url in urls]
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(timeout=timeout, trust_env=False, headers=headers)
+        self._client = httpx.Client(timeout=timeout, trust_env=False)
+        self.control_token = control_token
 
     def poll(self) -> None:
         for server in self.servers:
@@ -86,7 +90,10 @@ class Poller:
             return describe(exc)
 
     def _get_json(self, url: str) -> Any:
-        response = self._client.get(url)
+        """GET with the control token: the one given, else the one found for that server."""
+        token = self.control_token or find_control_token(url)
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        response = self._client.get(url, headers=headers)
         response.raise_for_status()
         return response.json()
 
@@ -98,8 +105,8 @@ def describe(exc: Exception) -> str:
     """A short reason for a failed poll, as the dashboard shows it."""
     if isinstance(exc, httpx.HTTPStatusError):
         status = exc.response.status_code
-        if status == 401:
-            return "HTTP 401: the server wants a control token (--control-token-env)"
+        if status in (401, 403):
+            return f"HTTP {status}: control token refused or missing (--control-token-env NAME)"
         return f"HTTP {status}"
     if isinstance(exc, httpx.TimeoutException):
         return "timed out"
