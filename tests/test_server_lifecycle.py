@@ -185,7 +185,8 @@ def test_a_failed_write_keeps_the_trajectory_for_a_later_finish(
 def test_records_pass_skycap_check(make_server, tmp_path: Path, mode: str, capsys) -> None:
     from skycap.cli.main import main
 
-    server = make_server(record_dir=tmp_path, ttl=0.2, sweep_interval=0.05)
+    # A TTL long enough for create + chat on a loaded machine, short enough to wait for.
+    server = make_server(record_dir=tmp_path, ttl=1.0, sweep_interval=0.05)
     control = Control(server.url)
     trajectory = control.create()
     chat(trajectory)
