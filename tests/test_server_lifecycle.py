@@ -46,6 +46,8 @@ def test_finish_writes_the_record_and_the_disk_answers_afterwards(
         "path": str(path),
         "mirror": None,
         "files": [path.name],
+        "mirror_state": None,
+        "mirror_error": None,
     }
     stored = read_document(path)
     assert stored["status"] == "finished" and stored["ended"] is True

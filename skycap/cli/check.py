@@ -16,7 +16,11 @@ HELP = "Report whether recorded trajectories are linear, and why each fork happe
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("record_dir", metavar="RECORD_DIR", help="a record directory")
+    from skycap.cli.sources import add_storage_options
+
+    parser.add_argument(
+        "record_dir", metavar="RECORD_DIR", help="a record directory or a mirror URL (s3://...)"
+    )
     parser.add_argument(
         "ids",
         metavar="TRAJECTORY_ID",
@@ -35,6 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="list only trajectories that fork or cannot be read (default: all)",
     )
+    add_storage_options(parser)
     parser.set_defaults(check_parser=parser)
 
 
@@ -68,14 +73,16 @@ def _selected_ids(args: argparse.Namespace, record_dir: Path) -> list[str] | str
 
 def run(args: argparse.Namespace) -> int:
     from skycap.cli.folders import Progress
+    from skycap.cli.sources import SourceError, record_dir
     from skycap.linearity import MalformedDocument, analyse, summary_line
     from skycap.record.reader import RecordError, document_path, read_document
 
-    record_dir = Path(args.record_dir)
-    if not record_dir.is_dir():
-        return _usage_error(args, f"{args.record_dir} is not a directory")
     try:
-        ids = _selected_ids(args, record_dir)
+        directory = record_dir(args.record_dir, args, sidecars=False)
+    except SourceError as exc:
+        return _usage_error(args, str(exc))
+    try:
+        ids = _selected_ids(args, directory)
     except OSError as exc:
         return _usage_error(args, f"cannot list {args.record_dir}: {exc.strerror or exc}")
     if isinstance(ids, str):
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         for trajectory_id in ids:
             progress.step()
             try:
-                report = analyse(read_document(document_path(record_dir, trajectory_id)))
+                report = analyse(read_document(document_path(directory, trajectory_id)))
             except (RecordError, MalformedDocument) as exc:
                 unreadable[trajectory_id] = str(exc)
             except (OSError, ValueError, TypeError) as exc:

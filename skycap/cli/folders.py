@@ -17,16 +17,14 @@ PROGRESS_DELAY = 1.0
 PROGRESS_EVERY = 0.1
 
 
-def record_folders(given: list[str]) -> list[Path] | str:
-    """The record directories in `given` (each one, or its subfolders that hold records),
-    in order and without repeats; or a message naming the argument that holds none."""
+def record_folders(given: list[tuple[str, Path]]) -> list[Path] | str:
+    """The record directories under each (name as given, local path): the path itself, or
+    its subfolders that hold records, in order and without repeats; or a message naming
+    the argument that holds none."""
     from skycap.viewer.index import record_directories
 
     found: list[Path] = []
-    for name in given:
-        path = Path(name)
-        if not path.is_dir():
-            return f"{name} is not a directory"
+    for name, path in given:
         folders = record_directories(path)
         if not folders:
             return (

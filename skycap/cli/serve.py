@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         values = {**values, "record_dir": DEFAULT_RECORD_DIR}
     try:
         options = from_values(values)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
 
@@ -62,6 +62,16 @@ def run(args: argparse.Namespace) -> int:
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        if options.record_mirror is not None:
+            from skycap.record.mirror import redact
+
+            lines.append(f"records mirrored to {redact(options.record_mirror)}")
+        if addon.backend is not None:
+            lines.append(
+                f"token mode: {addon.backend.served.describe()}; logprobs_mode "
+                f"{options.logprobs_mode} (vLLM's --logprobs-mode must match: its default is "
+                "raw_logprobs)"
+            )
         if token_file is not None:
             lines.append(f"control token in {token_file} (mode 0600)")
         if addon.proxy is not None:

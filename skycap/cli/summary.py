@@ -21,15 +21,19 @@ REWARD_BUCKETS = 10
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from skycap.cli.sources import add_storage_options
+
     parser.add_argument(
         "dirs",
         metavar="DIR",
         nargs="+",
-        help="record directories, or folders of them (one per run, two levels down)",
+        help="record directories, folders of them (one per run, two levels down), or mirror "
+        "URLs (s3://...)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the figures as JSON (default: tables)"
     )
+    add_storage_options(parser)
     parser.set_defaults(summary_parser=parser)
 
 
@@ -346,27 +350,38 @@ def _print_tables(results: Sequence[Mapping[str, Any]], elapsed_ms: Sequence[flo
 
 def run(args: argparse.Namespace) -> int:
     from skycap.cli.folders import record_folders
+    from skycap.cli.sources import SourceError, record_dir
 
-    folders = record_folders(args.dirs)
+    parser: argparse.ArgumentParser = args.summary_parser
+    local = []
+    for d in args.dirs:
+        try:
+            local.append(record_dir(d, args, sidecars=False))
+        except SourceError as exc:
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
+    folders = record_folders(list(zip(args.dirs, local, strict=True)))
     if isinstance(folders, str):
-        parser: argparse.ArgumentParser = args.summary_parser
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {folders}", file=sys.stderr)
         return 2
+    labels = {path: d for d, path in zip(args.dirs, local, strict=True)}
     import skycap.record.reader  # noqa: F401  (imported before the clock starts)
 
     results, elapsed = [], []
     for folder in folders:
+        label = labels.get(folder, str(folder))  # a mirror URL is named as given
         started = time.perf_counter()
         try:
             stats, errors = summarise_directory(folder)
         except OSError as exc:
             stats, errors = (
                 directory_stats([], 0),
-                [{"id": "-", "error": f"cannot list {folder}: {exc}"}],
+                [{"id": "-", "error": f"cannot list {label}: {exc}"}],
             )
         elapsed.append((time.perf_counter() - started) * 1000)
-        results.append({"dir": str(folder), "stats": stats, "errors": errors})
+        results.append({"dir": label, "stats": stats, "errors": errors})
     if args.json:
         print(json.dumps(results, indent=1))
     else:

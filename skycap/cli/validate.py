@@ -19,12 +19,16 @@ def _limit(text: str) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from skycap.cli.sources import add_storage_options
+
     parser.add_argument(
         "dirs",
         nargs="+",
         metavar="DIR",
-        help="record directories, or folders of them (one per run, two levels down)",
+        help="record directories, folders of them (one per run, two levels down), or mirror "
+        "URLs to check",
     )
+    add_storage_options(parser)
     parser.add_argument(
         "--sidecars",
         action="store_true",
@@ -41,12 +45,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from skycap.cli.folders import Progress, record_folders
+    from skycap.cli.sources import SourceError, record_dir
     from skycap.viewer.validate import check_directory, document_ids
 
-    folders = record_folders(args.dirs)
+    local = []
+    for directory in args.dirs:
+        try:
+            local.append(record_dir(directory, args, sidecars=args.sidecars))
+        except SourceError as exc:
+            print(f"skycap validate: error: {exc}", file=sys.stderr)
+            return 2
+    folders = record_folders(list(zip(args.dirs, local, strict=True)))
     if isinstance(folders, str):
         print(f"skycap validate: error: {folders}", file=sys.stderr)
         return 2
+    labels = {path: d for d, path in zip(args.dirs, local, strict=True)}
     bad = 0
     for folder in folders:
         ids = document_ids(folder)
@@ -54,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             report = check_directory(
                 folder, sidecars=args.sidecars, limit=args.limit, ids=ids, on_document=progress.step
             )
+        report.directory = labels.get(folder, str(folder))  # a mirror URL is named as given
         for line in report.lines + report.footer():
             print(line)
         bad += report.bad

@@ -45,6 +45,7 @@ PROXIED = "skycap.proxied"
 
 # Route kinds.
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
+RECORD = "record"
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 HARNESS_KINDS = frozenset({CHAT, MODELS, HARNESS_MISS})
@@ -53,7 +54,10 @@ HARNESS_KINDS = frozenset({CHAT, MODELS, HARNESS_MISS})
 # Routes that name a trajectory: prefix -> ({(tail, method): kind}, kind of any other tail).
 _NAMED = {
     "/t/": ({("v1/chat/completions", "POST"): CHAT, ("v1/models", "GET"): MODELS}, HARNESS_MISS),
-    "/trajectories/": ({("", "GET"): DOCUMENT, ("finish", "POST"): FINISH}, MISS),
+    "/trajectories/": (
+        {("", "GET"): DOCUMENT, ("finish", "POST"): FINISH, ("record", "GET"): RECORD},
+        MISS,
+    ),
 }
 
 
@@ -153,7 +157,7 @@ class SkycapAddon:
             raise exceptions.OptionsError("skycap options cannot change while the server runs")
         try:
             options = options_module.from_addon_options(ctx.options)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, ImportError) as exc:
             raise exceptions.OptionsError(f"skycap: {exc}") from None
         self._build(options)
 
@@ -169,6 +173,8 @@ class SkycapAddon:
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
         self.store.start()
+        if self.backend is not None:
+            await self.backend.start()  # learns the served model name (D-41)
         assert self.options is not None
         try:
             port = listen_address(proxyserver, ReverseMode)[1]
@@ -327,6 +333,9 @@ class SkycapAddon:
         if kind == FINISH:
             assert trajectory_id is not None
             return await self.control.finish(trajectory_id, raw)
+        if kind == RECORD:
+            assert trajectory_id is not None
+            return self.control.record(trajectory_id)
         assert kind == DOCUMENT and trajectory_id is not None
         return await self.control.document(trajectory_id)
 

@@ -149,3 +149,6 @@ class Control:
 
     async def document(self, trajectory_id: str) -> Answer:
         return await self.store.document(trajectory_id)
+
+    def record(self, trajectory_id: str) -> Answer:
+        return self.store.record_location(trajectory_id)

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from skycap.record.layout import KINDS, document_name, sidecar_name
+from skycap.record.mirror import RecordMirror
 from skycap.record.reader import (
     RecordError,
     document_path,
@@ -150,6 +151,9 @@ class TrajectoryStore:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._sweeper: asyncio.Task[None] | None = None
         self._record_host: str | None = None
+        self.mirror: RecordMirror | None = None
+        if options.record_mirror is not None:
+            self.mirror = RecordMirror(options.record_mirror, options.mirror_config)
         self.calls_total = 0
         self.tokens_total = 0
         self._failures_total = 0
@@ -285,12 +289,16 @@ class TrajectoryStore:
             trajectory.ended = True
             await self._release_engine(trajectory.id)
         changed = ended_now or sampled_now or trajectory.annotations != before
-        record = await self._settle(trajectory, live, changed, keep=failure is not None)
-        if ended_now:
-            self._note_ended(trajectory, live, record)
-        if failure is not None:
-            return Answer.error(500, str(failure), "path_rule_failed")
-        return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        try:
+            record = await self._settle(trajectory, live, changed, keep=failure is not None)
+            if ended_now:
+                self._note_ended(trajectory, live, record)
+            if failure is not None:
+                return Answer.error(500, str(failure), "path_rule_failed")
+            return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        finally:
+            if self.mirror is not None:  # the copy starts once the answer is built
+                self.mirror.release(trajectory.id)
 
     def _rows(
         self, trajectory: Trajectory, paths: str | None
@@ -318,7 +326,7 @@ class TrajectoryStore:
             return None
         if not changed and not (live is not None and live.unwritten):
             return self._location(trajectory.id) if live is None else None
-        files = await self._write(trajectory)
+        files = await self._write(trajectory, hold=True)
         if files is None:
             if live is None:
                 live = self._adopt(trajectory)
@@ -359,13 +367,12 @@ class TrajectoryStore:
 
     # -- records -------------------------------------------------------------------------------
 
-    async def _write(self, trajectory: Trajectory) -> list[str] | None:
-        """Write off the event loop; None (logged) when the write failed."""
+    async def _write(self, trajectory: Trajectory, *, hold: bool = False) -> list[str] | None:
+        """Write off the event loop; None (logged) when the write failed. With `hold`, the
+        mirror's copy waits for `mirror.release` (a finish's answer)."""
         assert self.record_dir is not None
         try:
-            return await asyncio.to_thread(
-                write_record, trajectory, self.record_dir, decode_spans=self._decode_spans
-            )
+            return await asyncio.to_thread(self._write_files, trajectory, hold)
         except Exception as exc:  # a failed write keeps the trajectory in memory for a retry
             logger.warning(
                 "writing the record of %s into %s failed: %s: %s",
@@ -375,6 +382,14 @@ class TrajectoryStore:
                 exc,
             )
             return None
+
+    def _write_files(self, trajectory: Trajectory, hold: bool) -> list[str]:
+        """The local atomic write, then (fail-open) the mirror's copy of exactly those files."""
+        assert self.record_dir is not None
+        files = write_record(trajectory, self.record_dir, decode_spans=self._decode_spans)
+        if self.mirror is not None:
+            self.mirror.submit(self.record_dir, trajectory.id, files, hold=hold)
+        return files
 
     async def _load(self, trajectory_id: str) -> Trajectory | Answer:
         if not self.on_disk(trajectory_id):
@@ -392,12 +407,17 @@ class TrajectoryStore:
             names = [sidecar_name(trajectory_id, kind) for kind in KINDS]
             files = [n for n in names if (self.record_dir / n).is_file()]
             files.append(document_name(trajectory_id))
-        return {
+        location = {
             "host": self.record_host(),
             "path": str(self.record_dir / document_name(trajectory_id)),
             "mirror": None,
             "files": files,
+            "mirror_state": None,
+            "mirror_error": None,
         }
+        if self.mirror is not None:
+            location.update(self.mirror.location(trajectory_id, files))
+        return location
 
     def record_host(self) -> str:
         """`--record-host`, else a non-loopback advertise host, else the primary address."""
@@ -428,6 +448,16 @@ class TrajectoryStore:
         except (RecordError, OSError) as exc:
             return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
 
+    def record_location(self, trajectory_id: str) -> Answer:
+        """`GET /trajectories/{id}/record`: where the record is and its mirror copy's state
+        now (the finish answer's `record` object, which is taken at finish time)."""
+        if not self.on_disk(trajectory_id):
+            live = self._live.get(trajectory_id)
+            if live is not None:
+                return Answer.error(404, f"trajectory {trajectory_id} has no record yet")
+            return Answer.error(404, UNKNOWN)
+        return Answer.json(200, self._location(trajectory_id))
+
     def listing(self) -> list[dict[str, Any]]:
         """The live trajectories, newest first, with the fields of D-7 and D-49."""
         now = time.time()
@@ -455,7 +485,7 @@ class TrajectoryStore:
         self._recent.append(row)
 
     def health(self) -> dict[str, Any]:
-        return {
+        health = {
             "ok": True,
             "open_trajectories": sum(1 for x in self._live.values() if x.trajectory.status == OPEN),
             "capture": self.capture,
@@ -464,6 +494,9 @@ class TrajectoryStore:
             "failures_total": self.failures_total,
             "ended_total": self.ended_total,
         }
+        if self.mirror is not None:
+            health["record_mirror"] = self.mirror.health()
+        return health
 
     # -- TTL and shutdown (http.md §6) -----------------------------------------------------------
 
@@ -516,6 +549,8 @@ class TrajectoryStore:
                 await self._sweeper
             self._sweeper = None
         await asyncio.gather(*(self._shutdown_one(live) for live in list(self._live.values())))
+        if self.mirror is not None:  # waits at most shutdown_timeout, then reports the rest
+            await asyncio.to_thread(self.mirror.close)
 
     async def _shutdown_one(self, live: Live) -> None:
         async with live.lock:

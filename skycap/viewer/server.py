@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from skycap.record.reader import RecordError, read_sidecar
+from skycap.record.remote import MirrorCache
 from skycap.viewer import derive
 from skycap.viewer.groups import (
     DEFAULT_GROUP_BY,
@@ -32,7 +33,7 @@ from skycap.viewer.groups import (
     parse_query,
     rollouts_table,
 )
-from skycap.viewer.index import Index, Run
+from skycap.viewer.index import MIRROR_INTERVAL, Index, Run
 from skycap.viewer.validate import (
     DOCUMENT_SUFFIX,
     document_problems,
@@ -514,12 +515,14 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 8765,
     group_by: tuple[str, ...] = DEFAULT_GROUP_BY,
+    mirrors: list[MirrorCache] | None = None,
+    mirror_interval: float = MIRROR_INTERVAL,
 ) -> ViewerServer:
-    """A server over the runs under `roots`, bound and then indexed (call serve_forever).
-
-    Binding first makes a busy port fail at once rather than after a long first index.
+    """A server over the runs under `roots` and `mirrors`, bound and then indexed (call
+    serve_forever). Binding first makes a busy port fail at once rather than after a long
+    first index (or a first copy of a mirror).
     """
-    index = Index(roots)
+    index = Index(roots, mirrors=mirrors, mirror_interval=mirror_interval)
     server = ViewerServer((host, port), Viewer(index, group_by))
     index.refresh(force=True)
     return server
