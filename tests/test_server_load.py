@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from server_fixtures import upstream
+from server_fixtures import upstream, wait_for
 
 from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream

@@ -1,4 +1,8 @@
-"""`skycap serve`: run a capture server in the foreground until SIGINT or SIGTERM."""
+"""`skycap serve`: run a capture server in the foreground until SIGINT or SIGTERM.
+
+Exit status: 0 after a clean shutdown, 1 when it cannot start, 3 when records could not
+be written by the end of shutdown (D-44; their crash journals stay for the next start).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
 DEFAULT_RECORD_DIR = "records"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EXIT_RECORDS_LOST = 3
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
+    lost = addon.store.lost if addon.store is not None else []
+    if lost:
+        print(
+            f"skycap serve: error: {len(lost)} records could not be written to "
+            f"{options.record_dir}: {', '.join(lost)}",
+            file=sys.stderr,
+        )
+        return EXIT_RECORDS_LOST
     return 0
 
 

@@ -25,6 +25,7 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
+| `--journal-fsync` | `journal_fsync` (D-44) | `skycap_journal_fsync` |
 | `--record-mirror URL` | `record_mirror` | `skycap_record_mirror` |
 | `--record-mirror-config JSON` | `record_mirror_config` | `skycap_record_mirror_config` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
@@ -37,6 +38,8 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
 | `--control-token-file PATH` | `control_token_file` | `skycap_control_token_file` |
 | `--no-control-token` | `no_control_token` | `skycap_no_control_token` |
+| `--proxy-allow RULE` (repeat; HOST or CIDR[:PORT]) | `proxy_allow` (D-43) | `skycap_proxy_allow` |
+| `--proxy-deny RULE` (repeat) | `proxy_deny` (D-43) | `skycap_proxy_deny` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
@@ -64,6 +67,7 @@ from skycap.certs import default_confdir
 from skycap.control_token import check_control_token, new_control_token
 from skycap.record.mirror import MirrorConfig, open_store
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
+from skycap.server.destinations import Rule, parse_rule
 
 MODES = ("text", "tokens")
 DEFAULT_API_KEY_ENV = "SKYCAP_UPSTREAM_API_KEY"
@@ -98,6 +102,7 @@ class ServerOptions:
     generation_config: str | None = None
     record_dir: str | Path | None = None
     record_host: str | None = None
+    journal_fsync: bool = False
     # A URL may carry user:password@ and the config storage_options credentials: never in
     # a repr (logs, tracebacks); the mirror shows its URL redacted.
     record_mirror: str | None = field(default=None, repr=False)
@@ -117,7 +122,11 @@ class ServerOptions:
     control_token: str | None = field(default=None, repr=False)
     control_token_file: str | Path | None = None
     no_control_token: bool = False
+    proxy_allow: tuple[str, ...] = ()
+    proxy_deny: tuple[str, ...] = ()
     rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
+    allow_rules: list[Rule] = field(init=False, repr=False, compare=False)
+    deny_rules: list[Rule] = field(init=False, repr=False, compare=False)
     mirror_config: MirrorConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +146,12 @@ class ServerOptions:
                 f"drop it or drop {_name('record_dir')}"
             )
         object.__setattr__(self, "rules", build_rules(self.path_rules))
+        for key, rules in (("proxy_allow", "allow_rules"), ("proxy_deny", "deny_rules")):
+            specs = getattr(self, key)
+            if isinstance(specs, str) or not all(isinstance(s, str) for s in specs):
+                raise ValueError(f"{_name(key)} must be a list of HOST|CIDR[:PORT] strings")
+            object.__setattr__(self, key, tuple(specs))
+            object.__setattr__(self, rules, [parse_rule(s, _FLAG_OF[key]) for s in specs])
         object.__setattr__(self, "mirror_config", self._check_mirror())
 
     def _check_mirror(self) -> MirrorConfig | None:
@@ -524,6 +539,13 @@ FLAGS: tuple[Flag, ...] = (
         metavar="ADDRESS",
     ),
     Flag(
+        "--journal-fsync",
+        "journal_fsync",
+        "fsync each crash-journal line before the answer (survives power loss, not only a "
+        "killed server; costs a disk flush per call)",
+        convert=None,
+    ),
+    Flag(
         "--record-mirror",
         "record_mirror",
         "also copy every record, in the background, to this fsspec URL (s3://bucket/prefix, "
@@ -583,6 +605,24 @@ FLAGS: tuple[Flag, ...] = (
         convert=_number(int, "--proxy-port"),
         metavar="PORT",
         addon=False,
+    ),
+    Flag(
+        "--proxy-allow",
+        "proxy_allow",
+        "let pass-through reach this loopback or link-local host, address or network "
+        "(repeatable; the proxy refuses them by default)",
+        convert=tuple,
+        metavar="HOST|CIDR[:PORT]",
+        repeat=True,
+    ),
+    Flag(
+        "--proxy-deny",
+        "proxy_deny",
+        "refuse pass-through to this host, address or network too (repeatable; wins over "
+        "--proxy-allow)",
+        convert=tuple,
+        metavar="HOST|CIDR[:PORT]",
+        repeat=True,
     ),
     Flag(
         "--confdir",
