@@ -542,21 +542,21 @@ FLAGS: tuple[Flag, ...] = (
         "--journal-fsync",
         "journal_fsync",
         "fsync each crash-journal line before the answer (survives power loss, not only a "
-        "killed server; costs a disk flush per call)",
+        "killed server; costs a disk flush per call; default off)",
         convert=None,
     ),
     Flag(
         "--record-mirror",
         "record_mirror",
         "also copy every record, in the background, to this fsspec URL (s3://bucket/prefix, "
-        "gs://..., file:///...); needs the remote extra and --record-dir",
+        "gs://..., file:///...); needs the remote extra and --record-dir (default: none)",
         metavar="URL",
     ),
     Flag(
         "--record-mirror-config",
         "record_mirror_config",
         "JSON object: exclude, workers, queue_size, timeout, attempts, backoff, "
-        "shutdown_timeout, storage_options (passed to fsspec)",
+        "shutdown_timeout, storage_options (passed to fsspec; default: none)",
         convert=_json_object("--record-mirror-config"),
         metavar="JSON",
     ),
@@ -619,7 +619,7 @@ FLAGS: tuple[Flag, ...] = (
         "--proxy-deny",
         "proxy_deny",
         "refuse pass-through to this host, address or network too (repeatable; wins over "
-        "--proxy-allow)",
+        "--proxy-allow; default: none)",
         convert=tuple,
         metavar="HOST|CIDR[:PORT]",
         repeat=True,
