@@ -455,7 +455,7 @@ class SkycapAddon:
         if kind == CREATE:
             return self.control.create(raw, self._origin(flow))
         if kind == LIST:
-            return self.control.listing()
+            return self.control.listing(flow.request.query.get("ended"))
         if kind == FINISH:
             assert trajectory_id is not None
             return await self.control.finish(trajectory_id, raw)

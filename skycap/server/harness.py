@@ -33,7 +33,7 @@ logger = logging.getLogger("skycap.server")
 _JSON = ((b"content-type", b"application/json"),)
 NO_UPSTREAM = (
     "no --upstream-url configured: this server forwards only calls made through its proxy "
-    "port (D-8)"
+    "port; start it with --upstream-url to take /t/{id}/v1 calls"
 )
 
 

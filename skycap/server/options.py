@@ -455,12 +455,12 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--mode", "mode", "capture mode", default="text", choices=MODES),
+    Flag("--mode", "mode", "capture mode (default text)", default="text", choices=MODES),
     Flag(
         "--upstream-url",
         "upstream_url",
         "text mode: the model server's OpenAI base URL including /v1; token mode: the "
-        "engine root (required, except in text mode with --proxy-port)",
+        "engine root (no default: required, except in text mode with --proxy-port)",
         metavar="URL",
     ),
     Flag(
@@ -488,8 +488,18 @@ FLAGS: tuple[Flag, ...] = (
         default="8080",
         addon=False,
     ),
-    Flag("--tokenizer", "tokenizer", "token mode: tokenizer name or folder", metavar="NAME"),
-    Flag("--renderer", "renderer_name", "token mode: renderer name", metavar="NAME"),
+    Flag(
+        "--tokenizer",
+        "tokenizer",
+        "token mode: tokenizer name or folder (no default: required in token mode)",
+        metavar="NAME",
+    ),
+    Flag(
+        "--renderer",
+        "renderer_name",
+        "token mode: renderer name (default: chosen from the tokenizer's name)",
+        metavar="NAME",
+    ),
     Flag(
         "--renderer-pool-size",
         "renderer_pool_size",
@@ -500,7 +510,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--chat-template-kwargs",
         "chat_template_kwargs",
-        "token mode: JSON object passed to the chat template",
+        "token mode: JSON object passed to the chat template (default: none)",
         convert=_json_object("--chat-template-kwargs"),
         metavar="JSON",
     ),
@@ -513,18 +523,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--max-model-len",
         "max_model_len",
-        "token mode: context length used to clamp max_tokens and refuse long prompts",
+        "token mode: context length used to clamp max_tokens and refuse long prompts "
+        "(default: no limit)",
         convert=_number(int, "--max-model-len"),
         metavar="N",
     ),
     Flag(
         "--sampling-overrides",
         "sampling_overrides",
-        "token mode: JSON object of sampling parameters imposed on every call",
+        "token mode: JSON object of sampling parameters imposed on every call (default: none)",
         convert=_json_object("--sampling-overrides"),
         metavar="JSON",
     ),
-    Flag("--sampling-mask", "sampling_mask", "token mode: ask for sampling masks", convert=None),
+    Flag(
+        "--sampling-mask",
+        "sampling_mask",
+        "token mode: ask for sampling masks (default off)",
+        convert=None,
+    ),
     Flag(
         "--logprobs-mode",
         "logprobs_mode",
@@ -535,7 +551,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--use-raw-content",
         "use_raw_content",
-        "token mode: reply with the completion's raw decoded text",
+        "token mode: reply with the completion's raw decoded text (default off: parsed)",
         convert=None,
     ),
     Flag(
@@ -562,7 +578,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--record-dir",
         "record_dir",
-        "record directory; without it trajectories stay in memory and never expire",
+        "record directory (skycap serve: default ./records, --no-record-dir keeps records in "
+        "memory only; mitmdump and CaptureService: none, memory only)",
         metavar="DIR",
     ),
     Flag(
@@ -575,21 +592,21 @@ FLAGS: tuple[Flag, ...] = (
         "--journal-fsync",
         "journal_fsync",
         "fsync each crash-journal line before the answer (survives power loss, not only a "
-        "killed server; costs a disk flush per call)",
+        "killed server; costs a disk flush per call; default off)",
         convert=None,
     ),
     Flag(
         "--record-mirror",
         "record_mirror",
         "also copy every record, in the background, to this fsspec URL (s3://bucket/prefix, "
-        "gs://..., file:///...); needs the remote extra and --record-dir",
+        "gs://..., file:///...); needs the remote extra and --record-dir (default: none)",
         metavar="URL",
     ),
     Flag(
         "--record-mirror-config",
         "record_mirror_config",
         "JSON object: exclude, workers, queue_size, timeout, attempts, backoff, "
-        "shutdown_timeout, storage_options (passed to fsspec)",
+        "shutdown_timeout, storage_options (passed to fsspec; default: none)",
         convert=_json_object("--record-mirror-config"),
         metavar="JSON",
     ),
@@ -603,7 +620,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--path-rule",
         "path_rules",
-        "custom path rule, repeatable; without NAME= it is named by its import path",
+        "custom path rule, repeatable; without NAME= it is named by its import path "
+        "(default: only the built-in rules)",
         convert=_path_rules,
         metavar="[NAME=]MODULE:FUNCTION",
         repeat=True,
@@ -611,7 +629,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--require-api-key",
         "require_api_key",
-        "require each trajectory's api_key on the harness routes",
+        "require each trajectory's api_key on the harness routes (default off)",
         convert=None,
     ),
     Flag(
@@ -650,7 +668,7 @@ FLAGS: tuple[Flag, ...] = (
         "--proxy-port",
         "proxy_port",
         "also listen as an HTTPS_PROXY on this port (0 lets the OS choose); a trajectory is "
-        "named by the proxy credentials that POST /trajectories returns",
+        "named by the proxy credentials that POST /trajectories returns (default: off)",
         convert=_number(int, "--proxy-port"),
         metavar="PORT",
         addon=False,
@@ -668,7 +686,7 @@ FLAGS: tuple[Flag, ...] = (
         "--proxy-deny",
         "proxy_deny",
         "refuse pass-through to this host, address or network too (repeatable; wins over "
-        "--proxy-allow)",
+        "--proxy-allow; default: none)",
         convert=tuple,
         metavar="HOST|CIDR[:PORT]",
         repeat=True,
@@ -699,7 +717,7 @@ FLAGS: tuple[Flag, ...] = (
         "--no-control-token",
         "no_control_token",
         "serve the control routes without a credential: any harness can then list, create "
-        "and finish trajectories (a warning at start)",
+        "and finish trajectories (a warning at start; default off)",
         convert=None,
     ),
 )
