@@ -13,7 +13,7 @@ PACKAGE = ROOT / "skycap"
 
 # docs/architecture.md: each module may import only from its own layer or below.
 LAYERS = [
-    ("skycap.hashing", "skycap.arrays", "skycap.wire"),
+    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.dialects"),
     ("skycap.graph",),
     ("skycap.trajectory",),
     ("skycap.record", "skycap.text", "skycap.tokens"),

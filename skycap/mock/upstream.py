@@ -519,14 +519,25 @@ async def _break(conn: h11.Connection, writer: asyncio.StreamWriter, stream: boo
     reply = Reply(content="this reply is cut off before it ends")
     ids = {"model": MODEL, "reply_id": "chatcmpl-mock-broken", "request_size": 0}
     if stream:
-        events = stream_events(reply, **ids, include_usage=False)
+        payload = stream_events(reply, **ids, include_usage=False)
+    else:
+        payload = [completion_body(reply, **ids)]
+    await _break_after(conn, writer, payload, stream)
+
+
+async def _break_after(
+    conn: h11.Connection, writer: asyncio.StreamWriter, payload: list[bytes], stream: bool
+) -> None:
+    """Send the first half of `payload` (SSE events, or the halves of one JSON body), then
+    drop the socket, so the client sees a connection cut before the answer ended."""
+    if stream:
         writer.write(conn.send(_stream_head()))
-        for event in events[: len(events) // 2]:
+        for event in payload[: len(payload) // 2]:
             writer.write(conn.send(h11.Data(data=event)))
     else:
-        payload = completion_body(reply, **ids)
-        writer.write(conn.send(_json_head(200, len(payload))))
-        writer.write(conn.send(h11.Data(data=payload[: len(payload) // 2])))
+        body = payload[0]
+        writer.write(conn.send(_json_head(200, len(body))))
+        writer.write(conn.send(h11.Data(data=body[: len(body) // 2])))
     writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for a flush
     await writer.drain()
     writer.transport.abort()

@@ -1,0 +1,399 @@
+"""The OpenAI Responses API read into canonical chat messages and tools (D-29, D-35).
+
+A Responses request carries `instructions` and an `input` that is a string or a list of
+items. Reading turns them into the Chat Completions shaped messages every node stores:
+`message` items become messages of their role, a run of assistant-side items
+(`reasoning`, assistant `message`, `function_call`) becomes one assistant message with
+`reasoning_content`, `reasoning_items`, `content` and `tool_calls`, and each
+`function_call_output` becomes a `role: "tool"` message. Item ids, statuses, annotations
+and other keys that change no token are dropped, so a replayed history hashes the same as
+the reply it came from. The writer (`responses_reply`) produces the inverse, so token
+mode's answers read back to the exact message it stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+#: The item types this dialect reads; anything else is refused with a 400 naming it.
+ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
+ROLES = ("user", "system", "developer", "assistant")
+#: Token mode's `encrypted_content`: this prefix, then base64url of a small JSON object
+#: holding the reasoning text and the model node it came from (D-35).
+REASONING_TOKEN_PREFIX = "skycap.r1."
+#: Request keys that ask for server-side features skycap does not provide.
+UNSUPPORTED_KEYS = {
+    "conversation": "conversations are not supported: send the history in `input` "
+    "(or use previous_response_id)",
+    "background": "background responses are not supported: call without `background`",
+    "prompt": "prompt templates are not supported: send `instructions` and `input`",
+}
+#: Request keys read as sampling, with the chat name they are recorded under (format.md §8).
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_output_tokens": "max_tokens",
+}
+
+
+def json_type(value: Any) -> str:
+    """A JSON value's type as an error message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+class RequestError(ValueError):
+    """A Responses request skycap refuses: `str(error)` is the message, `param` the field."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class ResponsesRequest:
+    """A checked Responses request, read into canonical form.
+
+    `messages` are the instructions (as a leading system message) and the input items;
+    with `previous_response_id`, the stored history goes between them (`full_history`).
+    `tools` is the list as sent (what text mode records); `chat_tools` are the function
+    tools in Chat Completions shape (what token mode renders) and `omitted_tools` the names
+    of the tools no chat template can express.
+    """
+
+    body: dict[str, Any]
+    instructions: dict[str, Any] | None
+    input: list[dict[str, Any]]
+    previous_response_id: str | None
+    stream: bool
+    store: bool
+    tools: list[Any] | None
+    chat_tools: list[dict[str, Any]] | None
+    omitted_tools: list[str]
+    sampling: dict[str, Any]
+    include: list[str] = field(default_factory=list)
+
+    def full_history(self, previous: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """The whole conversation: instructions, then `previous` (a stored response's
+        history and reply, without its own instructions: they do not carry over), then the
+        input."""
+        head = [self.instructions] if self.instructions is not None else []
+        return head + list(previous or ()) + self.input
+
+
+def read_request(body: Any, *, token_mode: bool) -> ResponsesRequest:
+    """Check a `POST /v1/responses` body and read it (RequestError when refused)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {json_type(body)}")
+    for key, why in UNSUPPORTED_KEYS.items():
+        if body.get(key) not in (None, False):
+            raise RequestError(why, key)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError(
+            f"`instructions` must be a string, got {json_type(instructions)}", "instructions"
+        )
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise RequestError(
+            f"`previous_response_id` must be a response id string, got {previous!r:.80}",
+            "previous_response_id",
+        )
+    for flag in ("stream", "store"):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise RequestError(f"`{flag}` must be a boolean, got {body[flag]!r:.80}", flag)
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise RequestError("`include` must be a list of strings", "include")
+    tools = body.get("tools")
+    chat_tools, omitted = read_tools(tools)
+    return ResponsesRequest(
+        body=body,
+        instructions=None if not instructions else {"role": "system", "content": instructions},
+        input=read_input(body.get("input"), token_mode=token_mode),
+        previous_response_id=previous,
+        stream=body.get("stream") is True,
+        store=body.get("store") is not False,
+        tools=tools if isinstance(tools, list) and tools else None,
+        chat_tools=chat_tools or None,
+        omitted_tools=omitted,
+        sampling=read_sampling(body, token_mode=token_mode),
+        include=include,
+    )
+
+
+def read_sampling(body: Mapping[str, Any], *, token_mode: bool) -> dict[str, Any]:
+    """The request's sampling under chat names; token mode refuses what it cannot honour."""
+    sampling = {
+        chat: body[key] for key, chat in SAMPLING_FIELDS.items() if body.get(key) is not None
+    }
+    if not token_mode:
+        return sampling
+    text = body.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict):
+        kind = text["format"].get("type")
+        if kind not in (None, "text"):
+            raise RequestError(
+                f"text.format type {kind!r} is not supported in token mode: skycap samples "
+                "unconstrained text; drop `text.format` or use text mode",
+                "text.format",
+            )
+    if body.get("top_logprobs"):
+        raise RequestError(
+            "`top_logprobs` is not supported in token mode: the record holds each sampled "
+            "token's logprob",
+            "top_logprobs",
+        )
+    return sampling
+
+
+def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """(function tools in Chat Completions shape, names of the tools left out of them).
+
+    A chat template renders function tools only; `custom`, `namespace`, `web_search` and
+    the other hosted kinds are listed by name (or type) in `omitted_tools`.
+    """
+    if tools is None:
+        return [], []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestError("`tools` must be a list of objects", "tools")
+    chat, omitted = [], []
+    for index, tool in enumerate(tools):
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise RequestError(f"tools[{index}] has no string `type`", f"tools[{index}].type")
+        if kind != "function":
+            name = tool.get("name")
+            omitted.append(name if isinstance(name, str) and name else kind)
+            continue
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise RequestError(
+                f"tools[{index}] is a function tool without a `name`", f"tools[{index}].name"
+            )
+        chat.append(
+            {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+        )
+    return chat, omitted
+
+
+def read_input(value: Any, *, token_mode: bool) -> list[dict[str, Any]]:
+    """The `input` (a string or a list of items) as canonical messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise RequestError(
+            f"`input` must be a string or a list of items, got {json_type(value)}", "input"
+        )
+    return read_items(value, token_mode=token_mode)
+
+
+def read_items(items: list[Any], *, token_mode: bool) -> list[dict[str, Any]]:
+    """Input or output items as canonical messages (an assistant run becomes one message)."""
+    messages: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the assistant message the current run builds
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object, got {json_type(item)}", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind not in ITEM_TYPES:
+            raise RequestError(
+                f"{where} has item type {kind!r}, which skycap does not read; supported: "
+                + ", ".join(ITEM_TYPES),
+                f"{where}.type",
+            )
+        if kind == "message" and item.get("role") != "assistant":
+            turn = None
+            messages.append(_message(item, where, token_mode))
+        elif kind == "function_call_output":
+            turn = None
+            messages.append(_tool_result(item, where, token_mode))
+        else:
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                messages.append(turn)
+            _fold(turn, kind, item, where, token_mode)
+    return messages
+
+
+def _message(item: dict[str, Any], where: str, token_mode: bool) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise RequestError(
+            f"{where}.role is {role!r}; use one of {', '.join(ROLES)}", f"{where}.role"
+        )
+    return {"role": role, "content": _content(item.get("content"), f"{where}.content", token_mode)}
+
+
+def _content(value: Any, where: str, token_mode: bool) -> Any:
+    """A string stays a string; parts become text (one text part is the plain string)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"{where} must be a string or a list of parts", where)
+    parts = [_part(part, f"{where}[{i}]", token_mode) for i, part in enumerate(value)]
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts
+
+
+def _part(part: Any, where: str, token_mode: bool) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text", "refusal"):
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise RequestError(f"{where} ({kind}) has no string text", where)
+        return {"type": "text", "text": text}
+    if kind == "input_image":
+        if token_mode:
+            raise RequestError(
+                f"{where} is an input_image; token mode renders text only: send text, or "
+                "capture this harness in text mode",
+                where,
+            )
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise RequestError(
+                f"{where} is an input_image without an `image_url` (file ids are not "
+                "supported): send the image as a URL or data URL",
+                where,
+            )
+        image: dict[str, Any] = {"url": url}
+        if part.get("detail") is not None:
+            image["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": image}
+    raise RequestError(
+        f"{where} has content part type {kind!r}; supported: input_text, output_text, "
+        "refusal, input_image",
+        where,
+    )
+
+
+def _tool_result(item: dict[str, Any], where: str, token_mode: bool) -> dict[str, Any]:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise RequestError(f"{where} is a function_call_output without a `call_id`", where)
+    output = item.get("output")
+    content = output if isinstance(output, str) else _content(output, f"{where}.output", token_mode)
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _fold(
+    turn: dict[str, Any], kind: str, item: dict[str, Any], where: str, token_mode: bool
+) -> None:
+    """Add one assistant-side item to the run's message."""
+    if kind == "message":
+        content = _content(item.get("content"), f"{where}.content", token_mode)
+        turn["content"] = _joined(turn["content"], content)
+    elif kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+                raise RequestError(f"{where} is a function_call without a string `{key}`", where)
+        call = {"id": item["call_id"], "type": "function"}
+        call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+        turn.setdefault("tool_calls", []).append(call)
+    else:
+        text = reasoning_text(item, where, token_mode)
+        if text is not None:
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + text
+        kept = {k: item[k] for k in ("id", "summary", "encrypted_content") if item.get(k)}
+        turn.setdefault("reasoning_items", []).append(kept)
+
+
+def reasoning_text(item: dict[str, Any], where: str, token_mode: bool) -> str | None:
+    """The reasoning a `reasoning` item stands for: skycap's own token names it exactly;
+    otherwise its `content` texts (token mode falls back to the summary texts)."""
+    token = item.get("encrypted_content")
+    if isinstance(token, str) and token.startswith(REASONING_TOKEN_PREFIX):
+        return decode_reasoning_token(token, where)[1]
+    texts = _texts(item.get("content"))
+    if texts is None and token_mode:
+        texts = _texts(item.get("summary"))
+    return texts
+
+
+def _texts(parts: Any) -> str | None:
+    if not isinstance(parts, list) or not parts:
+        return None
+    return "".join(
+        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
+
+
+def _joined(before: Any, content: Any) -> Any:
+    """Two message items of one assistant run: their texts in order (D-35's part rules)."""
+    if before is None:
+        return content
+    parts = [p for c in (before, content) for p in (c if isinstance(c, list) else [_text(c)])]
+    return parts
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def reasoning_token(node_id: int, text: str) -> str:
+    """Token mode's opaque `encrypted_content` for reasoning `text` of model node `node_id`."""
+    payload = orjson.dumps({"n": node_id, "r": text})
+    return REASONING_TOKEN_PREFIX + base64.urlsafe_b64encode(payload).decode("ascii")
+
+
+def decode_reasoning_token(token: str, where: str = "encrypted_content") -> tuple[int, str]:
+    """(node id, reasoning text) of a token `reasoning_token` issued; RequestError if damaged."""
+    try:
+        data = orjson.loads(base64.urlsafe_b64decode(token[len(REASONING_TOKEN_PREFIX) :]))
+        node, text = data["n"], data["r"]
+        if type(node) is not int or not isinstance(text, str):
+            raise ValueError("wrong types")
+    except (binascii.Error, ValueError, KeyError, TypeError) as exc:
+        raise RequestError(
+            f"{where}: an encrypted_content skycap issued was altered ({exc}); send reasoning "
+            "items back exactly as they were received",
+            where,
+        ) from None
+    return node, text
+
+
+def check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Every tool result answers a function_call earlier in the history (RequestError if not)."""
+    called: set[str] = set()
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            called.add(call.get("id"))
+        if message.get("role") == "tool" and message.get("tool_call_id") not in called:
+            call_id = message.get("tool_call_id")
+            raise RequestError(
+                f"function_call_output has call_id {call_id!r}, which matches no function_call "
+                "in the history; send the function_call item (or previous_response_id) with it",
+                "input",
+            )
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> bytes:
+    """The OpenAI error body a Responses client reads (D-36); 404 is `not_found_error`."""
+    if status >= 500:
+        kind = "api_error"
+    elif status == 404:
+        kind = "not_found_error"
+    else:
+        kind = "invalid_request_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})

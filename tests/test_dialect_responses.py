@@ -1,0 +1,265 @@
+"""Unit tests for the Responses dialect: reading requests, writing replies, assembling streams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from skycap.dialects.responses import (
+    RequestError,
+    check_tool_results,
+    decode_reasoning_token,
+    error_body,
+    read_items,
+    read_request,
+)
+from skycap.dialects.responses_reply import ResponseReply
+from skycap.dialects.responses_stream import ReplyError, ResponsesAssembler, read_response
+from skycap.hashing import message_hash
+
+# A Codex CLI second call, trimmed (as it sends it: ids on every item, content: null or
+# content parts on reasoning, statuses on calls).
+CODEX_INPUT = [
+    {
+        "type": "message",
+        "id": "msg_89e6",
+        "role": "developer",
+        "content": [{"type": "input_text", "text": "You are a coding agent."}],
+    },
+    {
+        "type": "message",
+        "id": "msg_01a2",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "run echo hi"}],
+    },
+    {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [{"type": "summary_text", "text": "sum"}],
+        "content": [{"type": "reasoning_text", "text": "think"}],
+        "encrypted_content": "ENC1",
+    },
+    {
+        "type": "function_call",
+        "status": "completed",
+        "id": "fc_1",
+        "name": "exec_command",
+        "arguments": '{"cmd": "echo hi"}',
+        "call_id": "call_1",
+    },
+    {"type": "function_call_output", "id": "fco_x", "call_id": "call_1", "output": "hi\n"},
+]
+TOOLS = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "agents", "tools": []},
+    {"type": "web_search"},
+    {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}},
+]
+
+
+def test_codex_input_reads_into_chat_messages() -> None:
+    request = read_request(
+        {"model": "m", "input": CODEX_INPUT, "tools": TOOLS, "stream": True, "store": False},
+        token_mode=False,
+    )
+    assert request.input == [
+        {"role": "developer", "content": "You are a coding agent."},
+        {"role": "user", "content": "run echo hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "think",
+            "reasoning_items": [
+                {
+                    "id": "rs_1",
+                    "summary": [{"type": "summary_text", "text": "sum"}],
+                    "encrypted_content": "ENC1",
+                }
+            ],
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "exec_command", "arguments": '{"cmd": "echo hi"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "hi\n"},
+    ]
+    assert request.stream and not request.store
+    assert request.tools == TOOLS
+    assert request.chat_tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "exec_command",
+                "parameters": {"type": "object"},
+                "strict": False,
+            },
+        }
+    ]
+    assert request.omitted_tools == ["multi_agent_v1", "web_search", "apply_patch"]
+    check_tool_results(request.input)
+
+
+def test_string_input_instructions_and_sampling() -> None:
+    body = {"input": "hi", "instructions": "Be brief.", "max_output_tokens": 50, "top_p": 0.9}
+    request = read_request(body, token_mode=True)
+    assert request.full_history(None) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert request.sampling == {"max_tokens": 50, "top_p": 0.9}
+    previous = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert request.full_history(previous)[1:3] == previous
+
+
+def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
+    parts = [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    assert read_items([{"role": "user", "content": parts}], token_mode=True)[0]["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+    ]
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}
+    message = {"role": "user", "content": [image]}
+    assert read_items([message], token_mode=False)[0]["content"] == [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
+    ]
+    with pytest.raises(RequestError, match="token mode renders text only") as caught:
+        read_items([message], token_mode=True)
+    assert caught.value.param == "input[0].content[0]"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ([], None, "must be a JSON object"),
+        ({"input": 3}, "input", "string or a list of items"),
+        ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call'"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'tool'"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "conversations"),
+        ({"input": "x", "previous_response_id": 7}, "previous_response_id", "response id"),
+        ({"input": "x", "stream": "yes"}, "stream", "boolean"),
+        ({"input": "x", "tools": [{"name": "f"}]}, "tools[0].type", "no string `type`"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+            "input[0]",
+            "`name`",
+        ),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            "text.format",
+            "token mode",
+        ),
+    ],
+)
+def test_bad_requests_name_the_field(body: Any, param: str | None, match: str) -> None:
+    with pytest.raises(RequestError, match=match) as caught:
+        read_request(body, token_mode=True)
+    assert caught.value.param == param
+
+
+def test_tool_output_without_its_call_is_refused() -> None:
+    messages = read_items(
+        [{"type": "function_call_output", "call_id": "call_9", "output": "x"}], token_mode=False
+    )
+    with pytest.raises(RequestError, match="'call_9', which matches no function_call"):
+        check_tool_results(messages)
+
+
+def reply_for(message: dict[str, Any], reason: str = "stop", **body: Any) -> ResponseReply:
+    request = read_request({"model": "m", "input": "q", **body}, token_mode=True)
+    return ResponseReply(
+        request=request,
+        model="m",
+        message=message,
+        node_id=42,
+        finish_reason=reason,
+        input_tokens=10,
+        output_tokens=7,
+        reasoning_tokens=3,
+        created_at=1,
+    )
+
+
+STORED = {
+    "role": "assistant",
+    "content": "Let me check.",
+    "reasoning_content": "The user wants the weather.",
+    "tool_calls": [
+        {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    ],
+}
+
+
+def test_written_reply_reads_back_to_the_stored_message() -> None:
+    reply = reply_for(STORED)
+    body = reply.body()
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message", "function_call"]
+    assert body["output"][2]["call_id"] == "call_abc"
+    assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    # A client that drops the reasoning text but keeps encrypted_content (as OpenAI's own
+    # reasoning items are replayed) still reads back the exact reasoning.
+    replayed = [dict(item) for item in body["output"]]
+    replayed[0]["content"] = None
+    (message,) = read_items(replayed, token_mode=True)
+    assert message["reasoning_content"] == STORED["reasoning_content"]
+    assert {k: message[k] for k in ("content", "tool_calls")} == {
+        k: STORED[k] for k in ("content", "tool_calls")
+    }
+    node, text = decode_reasoning_token(body["output"][0]["encrypted_content"])
+    assert (node, text) == (42, STORED["reasoning_content"])
+    with pytest.raises(RequestError, match="was altered"):
+        read_items([{**replayed[0], "encrypted_content": "skycap.r1.!!"}], token_mode=True)
+
+
+def test_sse_and_json_agree_and_length_is_incomplete() -> None:
+    reply = reply_for({"role": "assistant", "content": "partial"}, "length", max_output_tokens=3)
+    assert reply.body()["status"] == "incomplete"
+    assert reply.body()["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert reply.body()["max_output_tokens"] == 3
+    events = [orjson.loads(line[6:]) for line in reply.sse().split(b"\n") if line[:6] == b"data: "]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"] == orjson.loads(reply.json())
+
+
+def test_assembler_reads_a_split_stream_like_the_json() -> None:
+    reply = reply_for(STORED)
+    stream = reply.sse()
+    assembler = ResponsesAssembler()
+    for i in range(0, len(stream), 7):
+        assembler.feed(stream[i : i + 7])
+    assert assembler.finish_seen and assembler.response_id == reply.id
+    message, reason, usage = assembler.result()
+    json_message, json_reason, json_usage, response_id = read_response(orjson.loads(reply.json()))
+    assert message == json_message and reason == json_reason == "tool_calls"
+    assert usage == json_usage and response_id == reply.id
+    # Text mode hashes the reply and its replay the same way (D-35).
+    (replayed,) = read_items(orjson.loads(reply.json())["output"], token_mode=False)
+    assert message_hash(replayed) == message_hash(message)
+
+
+def test_failed_stream_is_not_a_reply() -> None:
+    assembler = ResponsesAssembler()
+    failed = {"type": "response.failed", "sequence_number": 3}
+    failed["response"] = {"id": "resp_1", "status": "failed", "error": {"message": "boom"}}
+    assembler.feed(b"data: " + orjson.dumps(failed) + b"\n\n")
+    assert assembler.finish_seen
+    with pytest.raises(ReplyError, match="boom"):
+        assembler.result()
+
+
+def test_error_body_shapes() -> None:
+    body = orjson.loads(error_body(404, "no such response", "previous_response_id"))
+    assert body == {
+        "error": {
+            "message": "no such response",
+            "type": "not_found_error",
+            "param": "previous_response_id",
+            "code": None,
+        }
+    }
+    assert orjson.loads(error_body(502, "x"))["error"]["type"] == "api_error"
