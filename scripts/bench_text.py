@@ -1,10 +1,11 @@
 """Text-mode overhead benchmark (D-26): direct, a no-op lean mitmproxy, and skycap, in one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
+        [--api chat,responses]
 
 The mock upstream, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
-sends the same chat body, non-streamed and streamed, to each target, in interleaved
+sends the same body, non-streamed and streamed, to each target, in interleaved
 rounds (so load from elsewhere on the machine hits every target alike). Proxy CPU comes from
 /proc/<pid>/stat (utime + stime) around each measurement. Printed per cell: throughput,
 p50/p99 latency and proxy CPU per call; then skycap's additions over the no-op proxy
@@ -35,15 +36,34 @@ MESSAGES = [
     {"role": "user", "content": "Go ahead."},
 ]
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+#: The same conversation as a Responses request (`--api responses`), as Codex sends one.
+RESPONSES_INPUT = [
+    {"type": "message", "role": role, "content": [{"type": part, "text": message["content"]}]}
+    for message, role, part in zip(
+        MESSAGES,
+        ("developer", "user", "assistant", "user"),
+        ("input_text", "input_text", "output_text", "input_text"),
+        strict=True,
+    )
+]
+RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "parameters": {"type": "object"}}]
+#: api -> (path after the base URL, the request body without `stream`).
+APIS = {
+    "chat": ("/chat/completions", {"model": "policy", "messages": MESSAGES, "tools": TOOLS}),
+    "responses": (
+        "/responses",
+        {"model": "policy", "input": RESPONSES_INPUT, "tools": RESPONSES_TOOLS, "store": False},
+    ),
+}
 
 
 # -- the processes under test ----------------------------------------------------------------
 
 
 def role_upstream() -> None:
-    from skycap.mock.upstream import ScriptedUpstream
+    from skycap.mock.responses import ScriptedResponsesUpstream
 
-    upstream = ScriptedUpstream()
+    upstream = ScriptedResponsesUpstream()
     print(upstream.start(), flush=True)
     sys.stdin.read()
     upstream.stop()
@@ -119,6 +139,7 @@ class Child:
 
 @dataclass
 class Cell:
+    api: str
     target: str
     stream: bool
     concurrency: int
@@ -173,35 +194,38 @@ async def drive(
     return time.perf_counter() - began, latencies
 
 
-def chat_urls(target: str, base: str, workers: int) -> list[str]:
+def call_urls(target: str, base: str, workers: int, path: str) -> list[str]:
     if target != "skycap":
-        return [f"{base}/v1/chat/completions"] * workers
+        return [f"{base}/v1{path}"] * workers
     urls = []
     for _ in range(workers):
         created = httpx.post(f"{base}/trajectories", json={"meta": {"bench": True}}).json()
-        urls.append(f"{created['base_url']}/chat/completions")
+        urls.append(f"{created['base_url']}{path}")
     return urls
 
 
 def measure(
     targets: dict[str, tuple[str, Child | None]],
+    api: str,
     stream: bool,
     concurrency: int,
     total: int,
     rounds: int,
 ) -> list[Cell]:
     """Every target in turn, `rounds` times, so load that comes and goes hits them alike."""
-    body = orjson.dumps({"model": "policy", "messages": MESSAGES, "tools": TOOLS, "stream": stream})
+    path, request = APIS[api]
+    body = orjson.dumps({**request, "stream": stream})
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     async def run() -> list[Cell]:
         setups = {}
         for name, (base, proxy) in targets.items():
-            urls = chat_urls(name, base, concurrency)
+            urls = call_urls(name, base, concurrency, path)
             clients = [httpx.AsyncClient(limits=limits, timeout=60, headers=headers) for _ in urls]
             await drive(clients, urls, body, stream, max(100, total // 5))  # warm-up
-            setups[name] = (urls, clients, proxy, Cell(name, stream, concurrency, 0, 0.0, [], 0.0))
+            cell = Cell(api, name, stream, concurrency, 0, 0.0, [], 0.0)
+            setups[name] = (urls, clients, proxy, cell)
         for _ in range(rounds):
             for urls, clients, proxy, cell in setups.values():
                 before = proxy.cpu_seconds() if proxy else 0.0
@@ -223,29 +247,29 @@ def measure(
 
 def report(cells: list[Cell]) -> None:
     print(
-        f"{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'cpu ms/call':>13}"
+        f"{'api':<10}{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}"
+        f"{'p99 ms':>9}{'cpu ms/call':>13}"
     )
     for c in cells:
         cpu = "-" if c.cpu_ms is None else f"{c.cpu_ms:.3f}"
         print(
-            f"{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}{c.p50:>9.3f}"
-            f"{c.p99:>9.3f}{cpu:>13}"
+            f"{c.api:<10}{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}"
+            f"{c.p50:>9.3f}{c.p99:>9.3f}{cpu:>13}"
         )
     print()
     print(
-        f"{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
+        f"{'api':<10}{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
         f"{'+p99 vs noop':>13}{'+cpu vs noop':>13}{'rate/noop':>10}{'rate/direct':>12}"
     )
-    index = {(c.target, c.stream, c.concurrency): c for c in cells}
+    index = {(c.api, c.target, c.stream, c.concurrency): c for c in cells}
     for c in cells:
         if c.target != "skycap":
             continue
-        noop = index[("noop", c.stream, c.concurrency)]
-        direct = index[("direct", c.stream, c.concurrency)]
+        noop = index[(c.api, "noop", c.stream, c.concurrency)]
+        direct = index[(c.api, "direct", c.stream, c.concurrency)]
         cpu = c.cpu_ms - noop.cpu_ms if c.cpu_ms is not None and noop.cpu_ms is not None else 0
         print(
-            f"{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
+            f"{c.api:<10}{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
             f"{c.p50 - direct.p50:>15.3f}{c.p99 - noop.p99:>13.3f}{cpu:>13.3f}"
             f"{c.rate / noop.rate:>10.2f}{c.rate / direct.rate:>12.2f}"
         )
@@ -256,6 +280,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="requests per cell")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
+    parser.add_argument("--api", default="chat,responses", help="comma-separated: chat, responses")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
@@ -272,11 +297,16 @@ def main() -> None:
         "noop": (noop.url, noop),
         "skycap": (skycap.url, skycap),
     }
+    apis = args.api.split(",")
+    unknown = sorted(set(apis) - set(APIS))
+    if unknown:
+        parser.error(f"unknown --api {', '.join(unknown)}: use chat, responses")
     cells = []
     try:
-        for stream in (False, True):
-            for concurrency in levels:
-                cells += measure(targets, stream, concurrency, args.requests, args.rounds)
+        for api in apis:
+            for stream in (False, True):
+                for concurrency in levels:
+                    cells += measure(targets, api, stream, concurrency, args.requests, args.rounds)
     finally:
         for child in (noop, skycap, upstream):
             child.stop()
