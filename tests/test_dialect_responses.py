@@ -7,13 +7,15 @@ from typing import Any
 import orjson
 import pytest
 
-from skycap.dialects.responses import (
+from skycap.dialects.responses_read import (
     RequestError,
     check_tool_results,
     decode_reasoning_token,
     error_body,
     read_items,
     read_request,
+    reasoning_token,
+    token_refusal,
 )
 from skycap.dialects.responses_reply import ResponseReply
 from skycap.dialects.responses_stream import ReplyError, ResponsesAssembler, read_response
@@ -61,8 +63,7 @@ TOOLS = [
 
 def test_codex_input_reads_into_chat_messages() -> None:
     request = read_request(
-        {"model": "m", "input": CODEX_INPUT, "tools": TOOLS, "stream": True, "store": False},
-        token_mode=False,
+        {"model": "m", "input": CODEX_INPUT, "tools": TOOLS, "stream": True, "store": False}
     )
     assert request.input == [
         {"role": "developer", "content": "You are a coding agent."},
@@ -106,7 +107,7 @@ def test_codex_input_reads_into_chat_messages() -> None:
 
 def test_string_input_instructions_and_sampling() -> None:
     body = {"input": "hi", "instructions": "Be brief.", "max_output_tokens": 50, "top_p": 0.9}
-    request = read_request(body, token_mode=True)
+    request = read_request(body)
     assert request.full_history(None) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "hi"},
@@ -118,18 +119,16 @@ def test_string_input_instructions_and_sampling() -> None:
 
 def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
     parts = [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
-    assert read_items([{"role": "user", "content": parts}], token_mode=True)[0]["content"] == [
+    assert read_items([{"role": "user", "content": parts}])[0]["content"] == [
         {"type": "text", "text": "a"},
         {"type": "text", "text": "b"},
     ]
     image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}
     message = {"role": "user", "content": [image]}
-    assert read_items([message], token_mode=False)[0]["content"] == [
+    assert read_items([message])[0]["content"] == [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
     ]
-    with pytest.raises(RequestError, match="token mode renders text only") as caught:
-        read_items([message], token_mode=True)
-    assert caught.value.param == "input[0].content[0]"
+    assert "token mode renders text only" in token_refusal({}, read_items([message]))
 
 
 @pytest.mark.parametrize(
@@ -148,34 +147,32 @@ def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
             "input[0]",
             "`name`",
         ),
-        (
-            {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
-            "text.format",
-            "token mode",
-        ),
     ],
 )
 def test_bad_requests_name_the_field(body: Any, param: str | None, match: str) -> None:
     with pytest.raises(RequestError, match=match) as caught:
-        read_request(body, token_mode=True)
+        read_request(body)
     assert caught.value.param == param
 
 
+def test_token_mode_refusals() -> None:
+    body = {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}
+    assert "text.format type 'json_schema'" in token_refusal(body, [])
+    assert token_refusal({"input": "x", "text": {"format": {"type": "text"}}}, []) is None
+
+
 def test_tool_output_without_its_call_is_refused() -> None:
-    messages = read_items(
-        [{"type": "function_call_output", "call_id": "call_9", "output": "x"}], token_mode=False
-    )
+    messages = read_items([{"type": "function_call_output", "call_id": "call_9", "output": "x"}])
     with pytest.raises(RequestError, match="'call_9', which matches no function_call"):
         check_tool_results(messages)
 
 
 def reply_for(message: dict[str, Any], reason: str = "stop", **body: Any) -> ResponseReply:
-    request = read_request({"model": "m", "input": "q", **body}, token_mode=True)
+    request = read_request({"model": "m", "input": "q", **body})
     return ResponseReply(
         request=request,
         model="m",
         message=message,
-        node_id=42,
         finish_reason=reason,
         input_tokens=10,
         output_tokens=7,
@@ -188,6 +185,12 @@ STORED = {
     "role": "assistant",
     "content": "Let me check.",
     "reasoning_content": "The user wants the weather.",
+    "reasoning_items": [
+        {
+            "id": "rs_abc",
+            "encrypted_content": reasoning_token("abc", "The user wants the weather."),
+        }
+    ],
     "tool_calls": [
         {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
     ],
@@ -204,15 +207,17 @@ def test_written_reply_reads_back_to_the_stored_message() -> None:
     # reasoning items are replayed) still reads back the exact reasoning.
     replayed = [dict(item) for item in body["output"]]
     replayed[0]["content"] = None
-    (message,) = read_items(replayed, token_mode=True)
+    (message,) = read_items(replayed)
     assert message["reasoning_content"] == STORED["reasoning_content"]
     assert {k: message[k] for k in ("content", "tool_calls")} == {
         k: STORED[k] for k in ("content", "tool_calls")
     }
-    node, text = decode_reasoning_token(body["output"][0]["encrypted_content"])
-    assert (node, text) == (42, STORED["reasoning_content"])
+    assert decode_reasoning_token(body["output"][0]["encrypted_content"]) == (
+        "abc",
+        STORED["reasoning_content"],
+    )
     with pytest.raises(RequestError, match="was altered"):
-        read_items([{**replayed[0], "encrypted_content": "skycap.r1.!!"}], token_mode=True)
+        read_items([{**replayed[0], "encrypted_content": "skycap.r1.!!"}])
 
 
 def test_sse_and_json_agree_and_length_is_incomplete() -> None:
@@ -238,7 +243,7 @@ def test_assembler_reads_a_split_stream_like_the_json() -> None:
     assert message == json_message and reason == json_reason == "tool_calls"
     assert usage == json_usage and response_id == reply.id
     # Text mode hashes the reply and its replay the same way (D-35).
-    (replayed,) = read_items(orjson.loads(reply.json())["output"], token_mode=False)
+    (replayed,) = read_items(orjson.loads(reply.json())["output"])
     assert message_hash(replayed) == message_hash(message)
 
 

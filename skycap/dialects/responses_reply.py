@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects.responses import ResponsesRequest, reasoning_token
+from skycap.dialects.responses_read import ResponsesRequest
 
 #: The response fields echoed from the request, with the values the API reports when unset.
 ECHOED = {
@@ -41,15 +41,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-def output_items(message: dict[str, Any], node_id: int | None) -> list[dict[str, Any]]:
-    """The output items for an assistant message (reasoning, message, function calls)."""
+def output_items(message: dict[str, Any], response_id: str) -> list[dict[str, Any]]:
+    """The output items of an assistant message: reasoning, the message, function calls.
+
+    The reasoning item is the one token mode issued (`reasoning_items`: its id and opaque
+    `encrypted_content`); other item ids derive from `response_id`, so the same reply
+    always has the same items.
+    """
+    suffix = response_id.removeprefix("resp_")
     items: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content")
     if reasoning:
-        item: dict[str, Any] = {"id": new_id("rs"), "type": "reasoning", "summary": []}
+        issued = (message.get("reasoning_items") or [{}])[0]
+        item: dict[str, Any] = {"id": issued.get("id") or f"rs_{suffix}", "type": "reasoning"}
+        item["summary"] = []
         item["content"] = [{"type": "reasoning_text", "text": reasoning}]
-        if node_id is not None:
-            item["encrypted_content"] = reasoning_token(node_id, reasoning)
+        if issued.get("encrypted_content"):
+            item["encrypted_content"] = issued["encrypted_content"]
         items.append(item)
     content = message.get("content")
     texts = content if isinstance(content, list) else [content] if content else []
@@ -61,18 +69,18 @@ def output_items(message: dict[str, Any], node_id: int | None) -> list[dict[str,
         ]
         items.append(
             {
-                "id": new_id("msg"),
+                "id": f"msg_{suffix}",
                 "type": "message",
                 "role": "assistant",
                 "status": "completed",
                 "content": parts,
             }
         )
-    for call in message.get("tool_calls") or ():
+    for index, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
         items.append(
             {
-                "id": new_id("fc"),
+                "id": f"fc_{suffix}_{index}",
                 "type": "function_call",
                 "status": "completed",
                 "call_id": call.get("id"),
@@ -94,7 +102,6 @@ class ResponseReply:
     request: ResponsesRequest
     model: str
     message: dict[str, Any]
-    node_id: int | None
     finish_reason: str
     input_tokens: int
     output_tokens: int
@@ -104,7 +111,7 @@ class ResponseReply:
     items: list[dict[str, Any]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.items = output_items(self.message, self.node_id)
+        self.items = output_items(self.message, self.id)
 
     @property
     def status(self) -> str:

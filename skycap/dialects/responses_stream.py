@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects.responses import RequestError, read_items
+from skycap.dialects.responses_read import RequestError, read_items
 
 _PREVIEW = 200
 TERMINAL = ("response.completed", "response.incomplete")
@@ -33,7 +33,7 @@ def read_response(response: Any) -> tuple[dict[str, Any], str, dict[str, Any] | 
     if not isinstance(output, list):
         raise ReplyError("the response has no `output` list")
     try:
-        messages = read_items(output, token_mode=False)
+        messages = read_items(output)
     except RequestError as exc:
         raise ReplyError(f"the response's output cannot be read: {exc}") from None
     if len(messages) > 1 or any(m.get("role") != "assistant" for m in messages):

@@ -25,7 +25,7 @@ import orjson
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 ROLES = ("user", "system", "developer", "assistant")
 #: Token mode's `encrypted_content`: this prefix, then base64url of a small JSON object
-#: holding the reasoning text and the model node it came from (D-35).
+#: holding the reasoning text and the digest of the completion it came from (D-35).
 REASONING_TOKEN_PREFIX = "skycap.r1."
 #: Request keys that ask for server-side features skycap does not provide.
 UNSUPPORTED_KEYS = {
@@ -98,7 +98,7 @@ class ResponsesRequest:
         return head + list(previous or ()) + self.input
 
 
-def read_request(body: Any, *, token_mode: bool) -> ResponsesRequest:
+def read_request(body: Any) -> ResponsesRequest:
     """Check a `POST /v1/responses` body and read it (RequestError when refused)."""
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {json_type(body)}")
@@ -127,41 +127,49 @@ def read_request(body: Any, *, token_mode: bool) -> ResponsesRequest:
     return ResponsesRequest(
         body=body,
         instructions=None if not instructions else {"role": "system", "content": instructions},
-        input=read_input(body.get("input"), token_mode=token_mode),
+        input=read_input(body.get("input")),
         previous_response_id=previous,
         stream=body.get("stream") is True,
         store=body.get("store") is not False,
         tools=tools if isinstance(tools, list) and tools else None,
         chat_tools=chat_tools or None,
         omitted_tools=omitted,
-        sampling=read_sampling(body, token_mode=token_mode),
+        sampling=read_sampling(body),
         include=include,
     )
 
 
-def read_sampling(body: Mapping[str, Any], *, token_mode: bool) -> dict[str, Any]:
-    """The request's sampling under chat names; token mode refuses what it cannot honour."""
-    sampling = {
-        chat: body[key] for key, chat in SAMPLING_FIELDS.items() if body.get(key) is not None
-    }
-    if not token_mode:
-        return sampling
+def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's sampling as sent, under the chat names the call records (format.md §8)."""
+    return {chat: body[key] for key, chat in SAMPLING_FIELDS.items() if body.get(key) is not None}
+
+
+def token_refusal(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> str | None:
+    """Why token mode cannot run this request (text mode forwards it all the same), or None."""
+    if any(
+        isinstance(part, dict) and part.get("type") == "image_url"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    ):
+        return (
+            "an input_image was sent; token mode renders text only: send text, or capture "
+            "this harness in text mode"
+        )
     text = body.get("text")
     if isinstance(text, dict) and isinstance(text.get("format"), dict):
         kind = text["format"].get("type")
         if kind not in (None, "text"):
-            raise RequestError(
-                f"text.format type {kind!r} is not supported in token mode: skycap samples "
-                "unconstrained text; drop `text.format` or use text mode",
-                "text.format",
+            return (
+                f"text.format type {kind!r} is not supported in token mode (skycap samples "
+                "unconstrained text): drop `text.format`, or capture this harness in text mode"
             )
     if body.get("top_logprobs"):
-        raise RequestError(
+        return (
             "`top_logprobs` is not supported in token mode: the record holds each sampled "
-            "token's logprob",
-            "top_logprobs",
+            "token's logprob; drop `top_logprobs`"
         )
-    return sampling
+    return None
 
 
 def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -193,7 +201,7 @@ def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
     return chat, omitted
 
 
-def read_input(value: Any, *, token_mode: bool) -> list[dict[str, Any]]:
+def read_input(value: Any) -> list[dict[str, Any]]:
     """The `input` (a string or a list of items) as canonical messages."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -201,10 +209,10 @@ def read_input(value: Any, *, token_mode: bool) -> list[dict[str, Any]]:
         raise RequestError(
             f"`input` must be a string or a list of items, got {json_type(value)}", "input"
         )
-    return read_items(value, token_mode=token_mode)
+    return read_items(value)
 
 
-def read_items(items: list[Any], *, token_mode: bool) -> list[dict[str, Any]]:
+def read_items(items: list[Any]) -> list[dict[str, Any]]:
     """Input or output items as canonical messages (an assistant run becomes one message)."""
     messages: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant message the current run builds
@@ -221,40 +229,40 @@ def read_items(items: list[Any], *, token_mode: bool) -> list[dict[str, Any]]:
             )
         if kind == "message" and item.get("role") != "assistant":
             turn = None
-            messages.append(_message(item, where, token_mode))
+            messages.append(_message(item, where))
         elif kind == "function_call_output":
             turn = None
-            messages.append(_tool_result(item, where, token_mode))
+            messages.append(_tool_result(item, where))
         else:
             if turn is None:
                 turn = {"role": "assistant", "content": None}
                 messages.append(turn)
-            _fold(turn, kind, item, where, token_mode)
+            _fold(turn, kind, item, where)
     return messages
 
 
-def _message(item: dict[str, Any], where: str, token_mode: bool) -> dict[str, Any]:
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in ROLES:
         raise RequestError(
             f"{where}.role is {role!r}; use one of {', '.join(ROLES)}", f"{where}.role"
         )
-    return {"role": role, "content": _content(item.get("content"), f"{where}.content", token_mode)}
+    return {"role": role, "content": _content(item.get("content"), f"{where}.content")}
 
 
-def _content(value: Any, where: str, token_mode: bool) -> Any:
+def _content(value: Any, where: str) -> Any:
     """A string stays a string; parts become text (one text part is the plain string)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise RequestError(f"{where} must be a string or a list of parts", where)
-    parts = [_part(part, f"{where}[{i}]", token_mode) for i, part in enumerate(value)]
+    parts = [_part(part, f"{where}[{i}]") for i, part in enumerate(value)]
     if len(parts) == 1 and parts[0]["type"] == "text":
         return parts[0]["text"]
     return parts
 
 
-def _part(part: Any, where: str, token_mode: bool) -> dict[str, Any]:
+def _part(part: Any, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "text", "refusal"):
         text = part.get("refusal" if kind == "refusal" else "text")
@@ -262,12 +270,6 @@ def _part(part: Any, where: str, token_mode: bool) -> dict[str, Any]:
             raise RequestError(f"{where} ({kind}) has no string text", where)
         return {"type": "text", "text": text}
     if kind == "input_image":
-        if token_mode:
-            raise RequestError(
-                f"{where} is an input_image; token mode renders text only: send text, or "
-                "capture this harness in text mode",
-                where,
-            )
         url = part.get("image_url")
         if not isinstance(url, str) or not url:
             raise RequestError(
@@ -286,21 +288,19 @@ def _part(part: Any, where: str, token_mode: bool) -> dict[str, Any]:
     )
 
 
-def _tool_result(item: dict[str, Any], where: str, token_mode: bool) -> dict[str, Any]:
+def _tool_result(item: dict[str, Any], where: str) -> dict[str, Any]:
     call_id = item.get("call_id")
     if not isinstance(call_id, str) or not call_id:
         raise RequestError(f"{where} is a function_call_output without a `call_id`", where)
     output = item.get("output")
-    content = output if isinstance(output, str) else _content(output, f"{where}.output", token_mode)
+    content = output if isinstance(output, str) else _content(output, f"{where}.output")
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
-def _fold(
-    turn: dict[str, Any], kind: str, item: dict[str, Any], where: str, token_mode: bool
-) -> None:
+def _fold(turn: dict[str, Any], kind: str, item: dict[str, Any], where: str) -> None:
     """Add one assistant-side item to the run's message."""
     if kind == "message":
-        content = _content(item.get("content"), f"{where}.content", token_mode)
+        content = _content(item.get("content"), f"{where}.content")
         turn["content"] = _joined(turn["content"], content)
     elif kind == "function_call":
         for key in ("call_id", "name", "arguments"):
@@ -310,23 +310,21 @@ def _fold(
         call["function"] = {"name": item["name"], "arguments": item["arguments"]}
         turn.setdefault("tool_calls", []).append(call)
     else:
-        text = reasoning_text(item, where, token_mode)
+        text = reasoning_text(item, where)
         if text is not None:
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
         kept = {k: item[k] for k in ("id", "summary", "encrypted_content") if item.get(k)}
         turn.setdefault("reasoning_items", []).append(kept)
 
 
-def reasoning_text(item: dict[str, Any], where: str, token_mode: bool) -> str | None:
+def reasoning_text(item: dict[str, Any], where: str) -> str | None:
     """The reasoning a `reasoning` item stands for: skycap's own token names it exactly;
-    otherwise its `content` texts (token mode falls back to the summary texts)."""
+    otherwise its `content` texts. A summary is not the reasoning: it stays in
+    `reasoning_items` only."""
     token = item.get("encrypted_content")
     if isinstance(token, str) and token.startswith(REASONING_TOKEN_PREFIX):
         return decode_reasoning_token(token, where)[1]
-    texts = _texts(item.get("content"))
-    if texts is None and token_mode:
-        texts = _texts(item.get("summary"))
-    return texts
+    return _texts(item.get("content"))
 
 
 def _texts(parts: Any) -> str | None:
@@ -349,18 +347,19 @@ def _text(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def reasoning_token(node_id: int, text: str) -> str:
-    """Token mode's opaque `encrypted_content` for reasoning `text` of model node `node_id`."""
-    payload = orjson.dumps({"n": node_id, "r": text})
+def reasoning_token(completion_digest: str, text: str) -> str:
+    """Token mode's opaque `encrypted_content`: the reasoning `text` and the digest of the
+    completion's tokens it was sampled in (so it names the exact model node)."""
+    payload = orjson.dumps({"t": completion_digest, "r": text})
     return REASONING_TOKEN_PREFIX + base64.urlsafe_b64encode(payload).decode("ascii")
 
 
-def decode_reasoning_token(token: str, where: str = "encrypted_content") -> tuple[int, str]:
-    """(node id, reasoning text) of a token `reasoning_token` issued; RequestError if damaged."""
+def decode_reasoning_token(token: str, where: str = "encrypted_content") -> tuple[str, str]:
+    """(completion digest, reasoning text) of a `reasoning_token`; RequestError if damaged."""
     try:
         data = orjson.loads(base64.urlsafe_b64decode(token[len(REASONING_TOKEN_PREFIX) :]))
-        node, text = data["n"], data["r"]
-        if type(node) is not int or not isinstance(text, str):
+        digest, text = data["t"], data["r"]
+        if not isinstance(digest, str) or not isinstance(text, str):
             raise ValueError("wrong types")
     except (binascii.Error, ValueError, KeyError, TypeError) as exc:
         raise RequestError(
@@ -368,7 +367,7 @@ def decode_reasoning_token(token: str, where: str = "encrypted_content") -> tupl
             "items back exactly as they were received",
             where,
         ) from None
-    return node, text
+    return digest, text
 
 
 def check_tool_results(messages: list[dict[str, Any]]) -> None:
