@@ -7,7 +7,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import orjson
 import pytest
@@ -187,27 +186,22 @@ def test_an_ended_trajectory_is_a_410(control: Control) -> None:
     assert caught.value.status_code == 410 and caught.value.body["code"] == "trajectory_closed"
 
 
-def test_a_stream_cut_mid_way_becomes_response_failed_and_is_not_recorded(
+def test_a_stream_cut_mid_way_fails_the_harness_stream_and_is_not_recorded(
     control: Control, upstream: ScriptedResponsesUpstream
 ) -> None:
     trajectory = control.create()
     upstream.fail_next("break_stream")
-    url = f"{trajectory['base_url']}/responses"
-    headers = {"authorization": f"Bearer {trajectory['api_key']}"}
-    with httpx.stream(
-        "POST", url, json={"model": "p", "input": "x", "stream": True}, headers=headers
-    ) as response:
-        body = b"".join(response.iter_raw())
-    events = [orjson.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: ")]
-    assert events[0]["type"] == "response.created"
-    assert events[-1]["type"] == "response.failed"
-    assert events[-1]["sequence_number"] == events[-2]["sequence_number"] + 1
+    with pytest.raises(openai.APIError):
+        with sdk(trajectory).responses.stream(model="p", input="x") as stream:
+            for _ in stream:
+                pass
     document = wait_for(
         lambda: (d := control.document(trajectory["id"]).json())["failures"] and d,
         what="the failure",
     )
-    assert "interrupted" in document["failures"][0]["error"]
+    assert document["failures"][0]["error"].startswith("upstream stream interrupted: ")
     assert calls_of(control, trajectory["id"]) == []
+    assert sdk(trajectory).responses.create(model="p", input="again").output_text
 
 
 async def test_agents_sdk_default_model_runs_multi_turn_streamed_and_chained(

@@ -248,7 +248,8 @@ def test_tools_a_template_cannot_express_are_omitted_and_recorded(
     (call,) = calls_of(control, trajectory["id"])
     assert call["omitted_tools"] == ["web_search", "apply_patch"]
     document = control.document(trajectory["id"]).json()
-    assert document["tools"][call["tools"]] == tools  # recorded as sent
+    chat_tool = {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}
+    assert document["tools"][call["tools"]] == [chat_tool]  # what the template rendered
     prompt = qwen3_tokenizer.decode(engine.requests[-1].body["token_ids"])
     assert "get_weather" in prompt and "apply_patch" not in prompt
 
