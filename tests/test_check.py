@@ -9,6 +9,7 @@ import pytest
 import zstandard
 
 from skycap.cli.main import main
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.graph import CLIENT, MODEL, Tokens
 from skycap.hashing import token_client_delta, token_match, token_model_delta
 from skycap.linearity import analyse, article, changes
@@ -50,7 +51,7 @@ class Text:
             "t_end": self.clock,
             "sampling": {"temperature": temperature},
         }
-        commit_text_call(self.trajectory, request, reply, call)
+        commit_text_call(self.trajectory, CHAT.read(request), reply, call)
         return self
 
     def write(self, record_dir: Path) -> None:
@@ -144,10 +145,10 @@ def test_the_spec_example(tmp_path: Path, capsys) -> None:
         "reply with reasoning_content dropped",
         "  1 unbridged call(s): prompt re-rendered, not extended",
         "tr_bad  unreadable: " + lines[4].split("unreadable: ", 1)[1],
-        "tr_c  finished  empty",
+        "tr_c  finished  empty: no model call captured",
     ]
     assert "truncated zstd frame" in lines[4]
-    assert lines[6:] == ["2 of 3 trajectories linear; forks: 1 edited reply; 1 unreadable"]
+    assert lines[6:] == ["2 of 3 trajectories linear; forks: 1 edited reply; 1 empty; 1 unreadable"]
     assert (code, err) == (2, "")
 
 

@@ -7,18 +7,18 @@ from typing import Any
 import orjson
 import pytest
 
+from skycap.dialects import ReplyData, StreamError
+from skycap.dialects.responses import DIALECT, responses_error
 from skycap.dialects.responses_read import (
     RequestError,
     check_tool_results,
     decode_reasoning_token,
-    error_body,
     read_items,
     read_request,
-    reasoning_token,
     token_refusal,
+    with_history,
 )
-from skycap.dialects.responses_reply import ResponseReply
-from skycap.dialects.responses_stream import ReplyError, ResponsesAssembler, read_response
+from skycap.dialects.responses_stream import ResponsesAssembler, read_response
 from skycap.hashing import message_hash
 
 # A Codex CLI second call, trimmed (as it sends it: ids on every item, content: null or
@@ -65,7 +65,7 @@ def test_codex_input_reads_into_chat_messages() -> None:
     request = read_request(
         {"model": "m", "input": CODEX_INPUT, "tools": TOOLS, "stream": True, "store": False}
     )
-    assert request.input == [
+    assert request.messages == [
         {"role": "developer", "content": "You are a coding agent."},
         {"role": "user", "content": "run echo hi"},
         {
@@ -89,32 +89,28 @@ def test_codex_input_reads_into_chat_messages() -> None:
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "hi\n"},
     ]
-    assert request.stream and not request.store
-    assert request.tools == TOOLS
-    assert request.chat_tools == [
-        {
-            "type": "function",
-            "function": {
-                "name": "exec_command",
-                "parameters": {"type": "object"},
-                "strict": False,
-            },
-        }
-    ]
-    assert request.omitted_tools == ["multi_agent_v1", "web_search", "apply_patch"]
-    check_tool_results(request.input)
+    assert request.stream and request.token_refusal is None
+    function = {
+        "type": "function",
+        "function": {"name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+    }
+    assert request.tools == [function, *TOOLS[1:]]  # other kinds as sent
+    assert request.extras["token_tools"] == [function]
+    assert request.extras["omitted_tools"] == ["multi_agent_v1", "web_search", "apply_patch"]
+    check_tool_results(request.messages)
 
 
 def test_string_input_instructions_and_sampling() -> None:
     body = {"input": "hi", "instructions": "Be brief.", "max_output_tokens": 50, "top_p": 0.9}
-    request = read_request(body)
-    assert request.full_history(None) == [
+    request = read_request(body | {"previous_response_id": "resp_1"})
+    assert request.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "hi"},
     ]
     assert request.sampling == {"max_tokens": 50, "top_p": 0.9}
+    assert request.recorded == {"previous_response_id": "resp_1", "instructions": True}
     previous = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    assert request.full_history(previous)[1:3] == previous
+    assert with_history(request, previous) == [request.messages[0], *previous, request.messages[1]]
 
 
 def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
@@ -167,39 +163,34 @@ def test_tool_output_without_its_call_is_refused() -> None:
         check_tool_results(messages)
 
 
-def reply_for(message: dict[str, Any], reason: str = "stop", **body: Any) -> ResponseReply:
-    request = read_request({"model": "m", "input": "q", **body})
-    return ResponseReply(
-        request=request,
+def reply_for(message: dict[str, Any], reason: str = "stop", **body: Any) -> ReplyData:
+    return ReplyData(
+        id="resp_abc",
+        created=1,
         model="m",
         message=message,
         finish_reason=reason,
-        input_tokens=10,
-        output_tokens=7,
+        prompt_tokens=10,
+        completion_tokens=7,
+        request=read_request({"model": "m", "input": "q", **body}),
         reasoning_tokens=3,
-        created_at=1,
     )
 
 
-STORED = {
+PARSED = {
     "role": "assistant",
     "content": "Let me check.",
     "reasoning_content": "The user wants the weather.",
-    "reasoning_items": [
-        {
-            "id": "rs_abc",
-            "encrypted_content": reasoning_token("abc", "The user wants the weather."),
-        }
-    ],
     "tool_calls": [
         {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
     ],
 }
+STORED = DIALECT.issue(PARSED, [1, 2, 3])
 
 
 def test_written_reply_reads_back_to_the_stored_message() -> None:
-    reply = reply_for(STORED)
-    body = reply.body()
+    body = orjson.loads(DIALECT.reply_json(reply_for(STORED)))
+    assert STORED["reasoning_items"][0]["id"] == body["output"][0]["id"]
     assert [item["type"] for item in body["output"]] == ["reasoning", "message", "function_call"]
     assert body["output"][2]["call_id"] == "call_abc"
     assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
@@ -212,38 +203,39 @@ def test_written_reply_reads_back_to_the_stored_message() -> None:
     assert {k: message[k] for k in ("content", "tool_calls")} == {
         k: STORED[k] for k in ("content", "tool_calls")
     }
-    assert decode_reasoning_token(body["output"][0]["encrypted_content"]) == (
-        "abc",
-        STORED["reasoning_content"],
-    )
+    digest, text = decode_reasoning_token(body["output"][0]["encrypted_content"])
+    assert text == STORED["reasoning_content"] and len(digest) == 32
     with pytest.raises(RequestError, match="was altered"):
         read_items([{**replayed[0], "encrypted_content": "skycap.r1.!!"}])
 
 
 def test_sse_and_json_agree_and_length_is_incomplete() -> None:
     reply = reply_for({"role": "assistant", "content": "partial"}, "length", max_output_tokens=3)
-    assert reply.body()["status"] == "incomplete"
-    assert reply.body()["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert reply.body()["max_output_tokens"] == 3
-    events = [orjson.loads(line[6:]) for line in reply.sse().split(b"\n") if line[:6] == b"data: "]
+    body = orjson.loads(DIALECT.reply_json(reply))
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["max_output_tokens"] == 3
+    sse = DIALECT.reply_sse(reply)
+    events = [orjson.loads(line[6:]) for line in sse.split(b"\n") if line[:6] == b"data: "]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.incomplete"
-    assert events[-1]["response"] == orjson.loads(reply.json())
+    assert events[-1]["response"] == body
 
 
 def test_assembler_reads_a_split_stream_like_the_json() -> None:
     reply = reply_for(STORED)
-    stream = reply.sse()
+    stream = DIALECT.reply_sse(reply)
     assembler = ResponsesAssembler()
     for i in range(0, len(stream), 7):
         assembler.feed(stream[i : i + 7])
-    assert assembler.finish_seen and assembler.response_id == reply.id
-    message, reason, usage = assembler.result()
-    json_message, json_reason, json_usage, response_id = read_response(orjson.loads(reply.json()))
+    assert assembler.finish_seen and assembler.done and assembler.reply_id == reply.id
+    message, reason = assembler.result()
+    body = orjson.loads(DIALECT.reply_json(reply))
+    json_message, json_reason, json_usage = read_response(body)
     assert message == json_message and reason == json_reason == "tool_calls"
-    assert usage == json_usage and response_id == reply.id
+    assert assembler.usage == json_usage
     # Text mode hashes the reply and its replay the same way (D-35).
-    (replayed,) = read_items(orjson.loads(reply.json())["output"])
+    (replayed,) = read_items(body["output"])
     assert message_hash(replayed) == message_hash(message)
 
 
@@ -253,12 +245,12 @@ def test_failed_stream_is_not_a_reply() -> None:
     failed["response"] = {"id": "resp_1", "status": "failed", "error": {"message": "boom"}}
     assembler.feed(b"data: " + orjson.dumps(failed) + b"\n\n")
     assert assembler.finish_seen
-    with pytest.raises(ReplyError, match="boom"):
+    with pytest.raises(StreamError, match="boom"):
         assembler.result()
 
 
 def test_error_body_shapes() -> None:
-    body = orjson.loads(error_body(404, "no such response", "previous_response_id"))
+    body = orjson.loads(responses_error(404, "no such response", None, "previous_response_id"))
     assert body == {
         "error": {
             "message": "no such response",
@@ -267,4 +259,4 @@ def test_error_body_shapes() -> None:
             "code": None,
         }
     }
-    assert orjson.loads(error_body(502, "x"))["error"]["type"] == "api_error"
+    assert orjson.loads(responses_error(502, "x"))["error"]["type"] == "api_error"

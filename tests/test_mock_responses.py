@@ -11,7 +11,8 @@ import openai
 import orjson
 import pytest
 
-from skycap.dialects.responses_stream import ReplyError, ResponsesAssembler
+from skycap.dialects import StreamError
+from skycap.dialects.responses_stream import ResponsesAssembler
 from skycap.mock.responses import ScriptedResponsesUpstream
 from skycap.mock.upstream import Reply
 
@@ -86,10 +87,10 @@ def test_sequence_numbers_count_up_and_the_stream_assembles(
     assembler = ResponsesAssembler()
     for chunk in chunks:
         assembler.feed(chunk)
-    message, reason, usage = assembler.result()
+    message, reason = assembler.result()
     assert message["content"] == "a fairly long answer in pieces"
     assert message["reasoning_content"] == "hm"
-    assert reason == "stop" and usage is not None and usage["output_tokens"] > 0
+    assert reason == "stop" and assembler.usage is not None and assembler.usage["output_tokens"] > 0
 
 
 def test_length_stop_is_incomplete(upstream: ScriptedResponsesUpstream) -> None:
@@ -115,13 +116,6 @@ def test_previous_response_id_must_be_stored(upstream: ScriptedResponsesUpstream
         client.responses.retrieve("resp_unknown")
 
 
-def test_chat_route_still_served(upstream: ScriptedResponsesUpstream) -> None:
-    reply = sdk(upstream).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}]
-    )
-    assert reply.choices[0].message.content == "echo: hi"
-
-
 def test_fault_status_then_normal(upstream: ScriptedResponsesUpstream) -> None:
     upstream.fail_next("status", status=503)
     with pytest.raises(openai.InternalServerError):
@@ -134,14 +128,14 @@ def test_fault_garbage_and_no_terminal_event(upstream: ScriptedResponsesUpstream
     assembler = ResponsesAssembler()
     for chunk in raw_stream(upstream, {"model": "m", "input": "x"}):
         assembler.feed(chunk)
-    with pytest.raises(ReplyError, match="not JSON"):
+    with pytest.raises(StreamError, match="not JSON"):
         assembler.result()
     upstream.fail_next("no_choices")
     assembler = ResponsesAssembler()
     for chunk in raw_stream(upstream, {"model": "m", "input": "x"}):
         assembler.feed(chunk)
     assert not assembler.finish_seen
-    with pytest.raises(ReplyError, match="no response.completed"):
+    with pytest.raises(StreamError, match="no response.completed"):
         assembler.result()
 
 

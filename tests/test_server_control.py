@@ -53,7 +53,8 @@ def test_create_hands_out_the_address_the_trainer_used(control: Control) -> None
     assert created["base_url"] == f"http://trainer.example:9999/t/{created['id']}/v1"
     assert created["id"].startswith("tr_") and len(created["id"]) == 19
     assert created["api_key"].startswith("sk-skycap-")
-    assert set(created) == {"id", "base_url", "api_key"}
+    assert set(created) == {"id", "base_url", "anthropic_base_url", "api_key"}
+    assert created["anthropic_base_url"] == f"http://trainer.example:9999/t/{created['id']}"
     document = control.document(created["id"]).json()
     assert document["meta"] == {"task": 7} and document["status"] == "open"
     assert "format_version" not in document and "sidecars" not in document

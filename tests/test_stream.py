@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from skycap.text.stream import StreamAssembler, StreamError
+from skycap.dialects.chat import StreamAssembler, StreamError
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 

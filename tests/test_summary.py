@@ -11,6 +11,7 @@ import zstandard
 
 from skycap.cli.main import main
 from skycap.cli.summary import reward_stats
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.graph import CLIENT, MODEL, Tokens
 from skycap.hashing import token_client_delta, token_match, token_model_delta
 from skycap.record.writer import write_record
@@ -34,7 +35,9 @@ def _text(trajectory_id: str, *replies: str) -> Trajectory:
     for k, reply in enumerate(replies):
         call = {"t_start": float(k), "t_end": k + 0.5, "sampling": {}}
         request = {"model": "policy", "messages": [Q]}
-        commit_text_call(trajectory, request, {"role": "assistant", "content": reply}, call)
+        commit_text_call(
+            trajectory, CHAT.read(request), {"role": "assistant", "content": reply}, call
+        )
     return trajectory
 
 

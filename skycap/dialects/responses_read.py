@@ -16,10 +16,12 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from skycap.dialects import Request
+from skycap.wire import BodyError, json_type
 
 #: The item types this dialect reads; anything else is refused with a 400 naming it.
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
@@ -42,64 +44,18 @@ SAMPLING_FIELDS = {
 }
 
 
-def json_type(value: Any) -> str:
-    """A JSON value's type as an error message names it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
+class RequestError(BodyError):
+    """A Responses request skycap refuses (a 400): the message, and `param` the field."""
 
 
-class RequestError(ValueError):
-    """A Responses request skycap refuses: `str(error)` is the message, `param` the field."""
+def read_request(body: Any) -> Request:
+    """Check a `POST /v1/responses` body and read it (RequestError when refused).
 
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.code = code
-
-
-@dataclass
-class ResponsesRequest:
-    """A checked Responses request, read into canonical form.
-
-    `messages` are the instructions (as a leading system message) and the input items;
-    with `previous_response_id`, the stored history goes between them (`full_history`).
-    `tools` is the list as sent (what text mode records); `chat_tools` are the function
-    tools in Chat Completions shape (what token mode renders) and `omitted_tools` the names
-    of the tools no chat template can express.
+    `messages` are the instructions (a leading system message) and the input; with
+    `previous_response_id` the server puts the named response's history between them
+    (`with_history`). Tools: function tools in Chat Completions shape, other kinds as sent;
+    `extras["token_tools"]` and `extras["omitted_tools"]` say what token mode renders.
     """
-
-    body: dict[str, Any]
-    instructions: dict[str, Any] | None
-    input: list[dict[str, Any]]
-    previous_response_id: str | None
-    stream: bool
-    store: bool
-    tools: list[Any] | None
-    chat_tools: list[dict[str, Any]] | None
-    omitted_tools: list[str]
-    sampling: dict[str, Any]
-    include: list[str] = field(default_factory=list)
-
-    def full_history(self, previous: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        """The whole conversation: instructions, then `previous` (a stored response's
-        history and reply, without its own instructions: they do not carry over), then the
-        input."""
-        head = [self.instructions] if self.instructions is not None else []
-        return head + list(previous or ()) + self.input
-
-
-def read_request(body: Any) -> ResponsesRequest:
-    """Check a `POST /v1/responses` body and read it (RequestError when refused)."""
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {json_type(body)}")
     for key, why in UNSUPPORTED_KEYS.items():
@@ -122,21 +78,36 @@ def read_request(body: Any) -> ResponsesRequest:
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise RequestError("`include` must be a list of strings", "include")
-    tools = body.get("tools")
-    chat_tools, omitted = read_tools(tools)
-    return ResponsesRequest(
+    tools, token_tools, omitted = read_tools(body.get("tools"))
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages += read_input(body.get("input"))
+    extras: dict[str, Any] = {"instructions": bool(instructions)}
+    recorded: dict[str, Any] = {}
+    if previous is not None:
+        extras["previous_response_id"] = recorded["previous_response_id"] = previous
+    if instructions:
+        recorded["instructions"] = True
+    if omitted:
+        extras["token_tools"] = token_tools or None
+        extras["omitted_tools"] = omitted
+    return Request(
         body=body,
-        instructions=None if not instructions else {"role": "system", "content": instructions},
-        input=read_input(body.get("input")),
-        previous_response_id=previous,
-        stream=body.get("stream") is True,
-        store=body.get("store") is not False,
-        tools=tools if isinstance(tools, list) and tools else None,
-        chat_tools=chat_tools or None,
-        omitted_tools=omitted,
+        messages=messages,
+        tools=tools or None,
+        model=body.get("model"),
         sampling=read_sampling(body),
-        include=include,
+        stream=body.get("stream") is True,
+        extras=extras,
+        token_refusal=token_refusal(body, messages),
+        recorded=recorded,
     )
+
+
+def with_history(request: Request, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's messages with `history` (a stored response's path, its own
+    instructions left out: they do not carry over) between instructions and input."""
+    head = 1 if request.extras.get("instructions") else 0
+    return request.messages[:head] + history + request.messages[head:]
 
 
 def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -172,17 +143,20 @@ def token_refusal(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> st
     return None
 
 
-def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """(function tools in Chat Completions shape, names of the tools left out of them).
+def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(canonical tools, the function tools alone, names of the tools left out of those).
 
-    A chat template renders function tools only; `custom`, `namespace`, `web_search` and
-    the other hosted kinds are listed by name (or type) in `omitted_tools`.
+    Function tools become Chat Completions tools (what a chat template renders); other
+    kinds (`custom`, `namespace`, `web_search`, …) stay as sent, and are named in the
+    third list, by name or else type, for token mode's `omitted_tools`.
     """
     if tools is None:
-        return [], []
+        return [], [], []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError("`tools` must be a list of objects", "tools")
-    chat, omitted = [], []
+    canonical: list[dict[str, Any]] = []
+    functions: list[dict[str, Any]] = []
+    omitted: list[str] = []
     for index, tool in enumerate(tools):
         kind = tool.get("type")
         if not isinstance(kind, str):
@@ -190,15 +164,16 @@ def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
         if kind != "function":
             name = tool.get("name")
             omitted.append(name if isinstance(name, str) and name else kind)
+            canonical.append(tool)
             continue
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise RequestError(
                 f"tools[{index}] is a function tool without a `name`", f"tools[{index}].name"
             )
-        chat.append(
-            {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-        )
-    return chat, omitted
+        function = {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+        canonical.append(function)
+        functions.append(function)
+    return canonical, functions, omitted
 
 
 def read_input(value: Any) -> list[dict[str, Any]]:
@@ -383,16 +358,3 @@ def check_tool_results(messages: list[dict[str, Any]]) -> None:
                 "in the history; send the function_call item (or previous_response_id) with it",
                 "input",
             )
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> bytes:
-    """The OpenAI error body a Responses client reads (D-36); 404 is `not_found_error`."""
-    if status >= 500:
-        kind = "api_error"
-    elif status == 404:
-        kind = "not_found_error"
-    else:
-        kind = "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})

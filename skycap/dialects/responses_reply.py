@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from skycap.dialects.responses_read import ResponsesRequest
+from skycap.dialects import ReplyData
 
 #: The response fields echoed from the request, with the values the API reports when unset.
 ECHOED = {
@@ -91,80 +90,56 @@ def output_items(message: dict[str, Any], response_id: str) -> list[dict[str, An
     return items
 
 
-@dataclass
-class ResponseReply:
-    """One token-mode answer; `json()` and `sse()` are its two wire forms.
+def response_object(reply: ReplyData, *, final: bool = True) -> dict[str, Any]:
+    """The response object for `reply`; `final=False` is its in-progress form.
 
-    `finish_reason` is the chat-side reason the call records: `length` answers
-    `status: incomplete` with `incomplete_details.reason: max_output_tokens`.
+    `length` answers `status: incomplete` with `incomplete_details.reason:
+    max_output_tokens`; the request's own fields (tools, instructions, sampling) are echoed.
     """
+    request = reply.request.body if reply.request is not None else {}
+    incomplete = reply.finish_reason == "length"
+    status = "incomplete" if incomplete else "completed"
+    response: dict[str, Any] = {
+        "id": reply.id,
+        "object": "response",
+        "created_at": reply.created,
+        "status": status if final else "in_progress",
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if final and incomplete else None,
+        "model": reply.model,
+        "output": output_items(reply.message, reply.id) if final else [],
+        "tools": request.get("tools") or [],
+        "store": request.get("store") is not False,
+        "usage": usage(reply) if final else None,
+    }
+    for key, default in ECHOED.items():
+        value = request.get(key)
+        response[key] = default if value is None else value
+    return response
 
-    request: ResponsesRequest
-    model: str
-    message: dict[str, Any]
-    finish_reason: str
-    input_tokens: int
-    output_tokens: int
-    reasoning_tokens: int
-    created_at: int
-    id: str = field(default_factory=lambda: new_id("resp"))
-    items: list[dict[str, Any]] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.items = output_items(self.message, self.id)
+def usage(reply: ReplyData) -> dict[str, Any]:
+    return {
+        "input_tokens": reply.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": reply.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens},
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
 
-    @property
-    def status(self) -> str:
-        return "incomplete" if self.finish_reason == "length" else "completed"
 
-    def body(self, *, final: bool = True) -> dict[str, Any]:
-        """The response object; `final=False` is its in-progress form for the first events."""
-        request = self.request.body
-        response: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": self.status if final else "in_progress",
-            "error": None,
-            "incomplete_details": None,
-            "model": self.model,
-            "output": self.items if final else [],
-            "tools": request.get("tools") or [],
-            "store": self.request.store,
-            "usage": self.usage() if final else None,
-        }
-        for key, default in ECHOED.items():
-            value = request.get(key)
-            response[key] = default if value is None else value
-        if final and self.status == "incomplete":
-            response["incomplete_details"] = {"reason": "max_output_tokens"}
-        return response
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": self.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-            "total_tokens": self.input_tokens + self.output_tokens,
-        }
-
-    def json(self) -> bytes:
-        return orjson.dumps(self.body())
-
-    def sse(self) -> bytes:
-        """The whole synthesised event stream, each event with its `sequence_number`."""
-        return b"".join(
-            sse_event(kind, seq, data) for seq, (kind, data) in enumerate(self._events())
-        )
-
-    def _events(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        opening = self.body(final=False)
-        yield "response.created", {"response": opening}
-        yield "response.in_progress", {"response": opening}
-        for index, item in enumerate(self.items):
-            yield from _item_events(index, item)
-        yield f"response.{self.status}", {"response": self.body()}
+def response_sse(reply: ReplyData) -> bytes:
+    """The whole synthesised event stream, each event with its `sequence_number`."""
+    final = response_object(reply)
+    opening = response_object(reply, final=False)
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": opening}),
+        ("response.in_progress", {"response": opening}),
+    ]
+    for index, item in enumerate(final["output"]):
+        events.extend(_item_events(index, item))
+    events.append((f"response.{final['status']}", {"response": final}))
+    return b"".join(sse_event(kind, seq, data) for seq, (kind, data) in enumerate(events))
 
 
 def _item_events(index: int, item: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -200,15 +175,3 @@ def sse_event(kind: str, sequence_number: int, data: dict[str, Any]) -> bytes:
     """One SSE event: `event: <type>` and its JSON with `type` and `sequence_number`."""
     payload = orjson.dumps({"type": kind, "sequence_number": sequence_number, **data})
     return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
-
-
-def failed_event(response_id: str | None, sequence_number: int, message: str, code: str) -> bytes:
-    """`response.failed` for an error after a stream started (D-36); the stream then ends."""
-    response = {
-        "id": response_id or new_id("resp"),
-        "object": "response",
-        "status": "failed",
-        "error": {"code": code, "message": message},
-        "output": [],
-    }
-    return sse_event("response.failed", sequence_number, {"response": response})

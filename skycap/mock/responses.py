@@ -1,38 +1,32 @@
 """A scripted OpenAI Responses API server (`POST /v1/responses`) for text-mode tests.
 
-It is a ScriptedUpstream that also answers the Responses route, with the same scripts
-(`Reply` or mappings), request log and faults (`fail_next`), so one mock serves chat and
-Responses calls alike. Streams carry every event with its `sequence_number`, text and
-arguments in small pieces. Responses are kept by id as a store-enabled server keeps them:
-`previous_response_id` must name one (else 404, as vLLM and OpenAI answer), and
-`GET /v1/responses/{id}` returns it.
+It is ScriptedUpstream speaking Responses, with the same scripts (`Reply` or mappings),
+request log and faults (`fail_next`). Streams carry every event with its
+`sequence_number`, text and arguments in small pieces. Responses are kept by id as a
+store-enabled server keeps them: `previous_response_id` must name one (else 404, as vLLM
+and OpenAI answer), and `GET /v1/responses/{id}` returns it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import h11
 import orjson
 
+from skycap.dialects.chat import openai_error
 from skycap.mock.upstream import (
     CREATED,
     MODEL,
     Reply,
     ScriptedUpstream,
-    _break_after,
-    _Fault,
     _pieces,
-    _ScriptError,
     _send_json,
     _text_of,
     _tool_calls,
     _usage,
 )
-from skycap.wire import openai_error
 
 _PATH = "/v1/responses"
 
@@ -48,7 +42,7 @@ def echo_response(body: dict[str, Any]) -> Reply:
     return Reply(content="echo")
 
 
-def output_items(reply: Reply, number: int) -> list[dict[str, Any]]:
+def output_items(reply: Reply, number: int | str) -> list[dict[str, Any]]:
     """The output items of `reply`: reasoning (with an opaque encrypted_content), the
     message, then one function_call per tool call."""
     items: list[dict[str, Any]] = []
@@ -102,7 +96,12 @@ def response_usage(reply: Reply, request_size: int) -> dict[str, Any]:
 
 
 def response_object(
-    reply: Reply, body: dict[str, Any], *, response_id: str, number: int, request_size: int
+    reply: Reply,
+    body: dict[str, Any],
+    *,
+    response_id: str,
+    number: int | str,
+    request_size: int,
 ) -> dict[str, Any]:
     """The completed (or, for `finish_reason="length"`, incomplete) response object."""
     incomplete = reply.finish_reason == "length"
@@ -174,116 +173,87 @@ def _item_events(index: int, item: dict[str, Any]) -> Iterator[tuple[str, dict[s
 
 
 class ScriptedResponsesUpstream(ScriptedUpstream):
-    """ScriptedUpstream plus `POST /v1/responses` and `GET /v1/responses/{id}`.
+    """A mock Responses server at `start()`'s base URL (ends in `/v1`).
 
-    Faults apply to chat and Responses calls alike; for Responses, `garbage` sends
-    events whose payload is not JSON, `no_choices` a stream (or body) with no terminal
-    response, and `break_stream` about half of the events before closing the socket.
-    `stored` maps each response id to the response, as a store-enabled server keeps it.
+    Faults work as on ScriptedUpstream: for Responses, `garbage` sends events whose
+    payload is not JSON, `no_choices` a stream (or body) with no terminal response, and
+    `break_stream` about half of the events before closing the socket. `stored` maps each
+    response id to the response, as a store-enabled server keeps it.
     """
+
+    CALL_PATH = _PATH
+    ID_PREFIX = "resp_mock"
 
     def __init__(self, script: Any = None, *, chunk_delay: float = 0.0) -> None:
         super().__init__(script, chunk_delay=chunk_delay)
         self.stored: dict[str, dict[str, Any]] = {}
-        self._responses = 0
+        self._body: dict[str, Any] = {}
 
     async def _route(self, conn, reader, writer, request) -> bool:  # type: ignore[override]
         path = request.path.split("?", 1)[0]
-        if request.method == "POST" and path == _PATH:
-            return await self._respond(conn, reader, writer, request.body)
         if request.method == "GET" and path.startswith(_PATH + "/"):
-            found = self.stored.get(path[len(_PATH) + 1 :])
+            response_id = path[len(_PATH) + 1 :]
+            found = self.stored.get(response_id)
             if found is None:
-                message = f"Response with id {path[len(_PATH) + 1 :]!r} not found."
+                message = f"Response with id {response_id!r} not found."
                 await _send_json(conn, writer, 404, openai_error(404, message))
             else:
                 await _send_json(conn, writer, 200, orjson.dumps(found))
             return True
+        if request.method == "POST" and path == _PATH:
+            previous = _previous_id(request.body)
+            if previous is not None and previous not in self.stored:
+                await _send_json(conn, writer, 404, _not_found(previous))
+                return True
         return await super()._route(conn, reader, writer, request)
 
-    async def _respond(
-        self,
-        conn: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        raw: bytes,
-    ) -> bool:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            body, detail = None, f"request body is not JSON: {exc}"
-        else:
-            detail = "request body must be a JSON object"
-        stream = isinstance(body, dict) and body.get("stream") is True
-        fault = self._take_fault()
-        if fault is not None and fault.kind != "sleep":
-            return await self._responses_fault(conn, reader, writer, fault, stream)
-        if fault is not None:
-            await asyncio.sleep(fault.seconds)
-        if not isinstance(body, dict):
-            await _send_json(conn, writer, 400, openai_error(400, detail))
-            return True
-        previous = body.get("previous_response_id")
-        if previous is not None and previous not in self.stored:
-            message = f"Previous response with id '{previous}' not found."
-            error = {"message": message, "type": "invalid_request_error"}
-            error |= {"param": "previous_response_id", "code": "previous_response_not_found"}
-            await _send_json(conn, writer, 404, orjson.dumps({"error": error}))
-            return True
-        try:
-            reply = self._next_reply(body)
-        except _ScriptError as exc:
-            await _send_json(conn, writer, 500, openai_error(500, str(exc)))
-            return True
-        response = self._response(reply, body, len(raw))
-        if not stream:
-            await _send_json(conn, writer, 200, orjson.dumps(response))
-        else:
-            await self._send_stream(conn, writer, stream_events(response))
-        return True
-
-    def _response(self, reply: Reply, body: dict[str, Any], size: int) -> dict[str, Any]:
-        with self._lock:
-            self._responses += 1
-            number = self._responses
-        response_id = f"resp_mock{number}"
-        response = response_object(
-            reply, body, response_id=response_id, number=number, request_size=size
-        )
-        if body.get("store", True) is not False:
-            self.stored[response_id] = response
-        return response
-
     def _next_reply(self, body: dict[str, Any]) -> Reply:
-        if self._script is None and "input" in body:
+        # The reply writers below take no body; they answer the call that asked just now
+        # (nothing awaits between the two on the server's one event loop).
+        self._body = body
+        if self._script is None:
             return echo_response(body)
         return super()._next_reply(body)
 
-    async def _responses_fault(
-        self,
-        conn: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        fault: _Fault,
-        stream: bool,
-    ) -> bool:
-        """Answer a Responses call with `fault`; return whether the connection stays usable."""
-        if fault.kind in ("status", "hang"):
-            return await self._fault(conn, reader, writer, fault, stream)
-        reply = Reply(content="this reply is cut off before it ends")
+    def _response(self, reply: Reply, reply_id: str, request_size: int) -> dict[str, Any]:
+        body, self._body = self._body, {}
+        number = reply_id.removeprefix(self.ID_PREFIX)
         response = response_object(
-            reply, {}, response_id="resp_mock_broken", number=0, request_size=0
+            reply, body, response_id=reply_id, number=number, request_size=request_size
         )
-        if fault.kind == "break_stream":
-            payload = stream_events(response) if stream else [orjson.dumps(response)]
-            await _break_after(conn, writer, payload, stream)
-            return False
-        if fault.kind == "garbage" and stream:
-            await self._send_stream(conn, writer, [b"data: <html>not json</html>\n\n"] * 2)
-        elif fault.kind == "garbage":
-            await _send_json(conn, writer, 200, b"<html>this is not JSON</html>")
-        elif stream:  # no_choices: the stream ends without a terminal response
-            await self._send_stream(conn, writer, stream_events(response)[:2])
-        else:
-            await _send_json(conn, writer, 200, orjson.dumps({"id": "resp_mock_empty"}))
-        return True
+        if body and body.get("store", True) is not False:
+            self.stored[reply_id] = response
+        return response
+
+    def _reply_body(self, reply: Reply, *, model: str, reply_id: str, request_size: int) -> bytes:
+        return orjson.dumps(self._response(reply, reply_id, request_size))
+
+    def _reply_events(
+        self, reply: Reply, *, model: str, reply_id: str, request_size: int, body: dict[str, Any]
+    ) -> list[bytes]:
+        return stream_events(self._response(reply, reply_id, request_size))
+
+    def _no_choices(self, stream: bool) -> list[bytes] | bytes:
+        """A stream that ends after `response.in_progress`, or a body with no output."""
+        response = response_object(
+            Reply(content="never sent"), {}, response_id="resp_mock-empty", number=0, request_size=0
+        )
+        if stream:
+            return stream_events(response)[:2]
+        return orjson.dumps({"id": "resp_mock-empty", "object": "response"})
+
+
+def _previous_id(raw: bytes) -> Any:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body.get("previous_response_id") if isinstance(body, dict) else None
+
+
+def _not_found(previous: Any) -> bytes:
+    """OpenAI's answer to an unknown `previous_response_id`."""
+    error = {"message": f"Previous response with id '{previous}' not found."}
+    error |= {"type": "invalid_request_error", "param": "previous_response_id"}
+    error["code"] = "previous_response_not_found"
+    return orjson.dumps({"error": error})

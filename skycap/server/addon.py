@@ -23,10 +23,20 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import RegularMode
 
 from skycap.certs import ensure_ca
+from skycap.dialects import Dialect
+from skycap.dialects.chat import DIALECT as CHAT_DIALECT
+from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
+from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
 from skycap.server import options as options_module
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import Control
-from skycap.server.drain import CONTROL_PATH, HARNESS_PATH, DrainSink, too_large_message
+from skycap.server.drain import (
+    CONTROL_PATH,
+    HARNESS_PATH,
+    MESSAGES_HARNESS_PATH,
+    DrainSink,
+    too_large_message,
+)
 from skycap.server.harness import Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
@@ -44,14 +54,57 @@ PROXIED = "skycap.proxied"
 # Route kinds.
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
+MESSAGES, COUNT_TOKENS, RESPONSES = "messages", "count-tokens", "responses"
+RESPONSE_GET, COMPACT = "response-get", "compact"  # GET …/v1/responses/{id}; …/compact
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
-HARNESS_KINDS = frozenset({CHAT, MODELS, HARNESS_MISS})
+REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture (D-38)
+#: Model-call route kinds and the dialect that reads and answers each (D-29).
+CALL_DIALECTS: dict[str, Dialect] = {
+    CHAT: CHAT_DIALECT,
+    MESSAGES: MESSAGES_DIALECT,
+    RESPONSES: RESPONSES_DIALECT,
+}
+HARNESS_KINDS = frozenset(
+    {*CALL_DIALECTS, COUNT_TOKENS, RESPONSE_GET, COMPACT, MODELS, HARNESS_MISS}
+)
+#: D-40: remote compaction is a model call skycap does not run yet; refused, never forwarded.
+COMPACT_REFUSAL = (
+    "POST /v1/responses/compact (remote compaction) is not captured by skycap: the "
+    "compacted history would be an opaque item no one could train on. Let the harness "
+    "compact with ordinary /v1/responses calls (Codex does so with a model provider whose "
+    "base_url is the trajectory's)"
+)
+WEBSOCKET_REFUSAL = (
+    "skycap does not capture the Responses API over WebSocket: use HTTPS (POST "
+    "/v1/responses); Codex falls back to it on this answer"
+)
 
 
 # Routes that name a trajectory: prefix -> ({(tail, method): kind}, kind of any other tail).
 _NAMED = {
-    "/t/": ({("v1/chat/completions", "POST"): CHAT, ("v1/models", "GET"): MODELS}, HARNESS_MISS),
+    "/t/": (
+        {
+            ("v1/chat/completions", "POST"): CHAT,
+            ("v1/messages", "POST"): MESSAGES,
+            ("v1/messages/count_tokens", "POST"): COUNT_TOKENS,
+            ("v1/responses", "POST"): RESPONSES,
+            ("v1/responses/compact", "POST"): COMPACT,
+            ("v1/models", "GET"): MODELS,
+        },
+        HARNESS_MISS,
+    ),
     "/trajectories/": ({("", "GET"): DOCUMENT, ("finish", "POST"): FINISH}, MISS),
+}
+
+
+_ACCESS_TAILS = {
+    CHAT: "chat/completions",
+    MESSAGES: "messages",
+    COUNT_TOKENS: "messages/count_tokens",
+    RESPONSES: "responses",
+    RESPONSE_GET: "responses/{id}",
+    COMPACT: "responses/compact",
+    MODELS: "models",
 }
 
 
@@ -62,6 +115,8 @@ def route(method: str, path: str) -> tuple[str, str | None]:
         if path.startswith(prefix):
             trajectory_id, _, tail = path[len(prefix) :].partition("/")
             kind = kinds.get((tail, method))
+            if kind is None and other == HARNESS_MISS and tail.startswith("v1/responses/"):
+                kind = RESPONSE_GET if method == "GET" else None  # a stored response (D-40)
             return (other, None) if kind is None else (kind, trajectory_id)
     if path == "/healthz" and method == "GET":
         return HEALTH, None
@@ -70,24 +125,70 @@ def route(method: str, path: str) -> tuple[str, str | None]:
     return MISS, None
 
 
-def proxy_route(method: str, path: str) -> str:
-    """The kind of a request through the proxy listener (D-24): captured, or passed through.
+def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
+    """The kind of a request through the proxy listener (D-24, D-38).
 
-    Matching is by suffix so deployment paths (`/openai/deployments/x/chat/completions`)
-    are captured too.
+    Model calls are captured on any host, matched by suffix so deployment paths
+    (`/openai/deployments/x/chat/completions`) are captured too. Any other request to a
+    model-API host is refused, never forwarded with the harness's key; other hosts pass
+    through.
     """
     path = path.partition("?")[0]
-    if method == "POST" and path.endswith("/chat/completions"):
-        return CHAT
-    if method == "GET" and path.endswith("/models"):
-        return MODELS
-    return PASS
+    if method == "POST":
+        if path.endswith("/chat/completions"):
+            return CHAT
+        if path.endswith("/v1/messages"):
+            return MESSAGES
+        if path.endswith("/v1/messages/count_tokens"):
+            return COUNT_TOKENS
+        if path.endswith("/v1/responses"):
+            return RESPONSES
+        if path.endswith("/v1/responses/compact"):
+            return COMPACT
+    if method == "GET":
+        if path.endswith("/models"):
+            return MODELS
+        if "/v1/responses/" in path:
+            return RESPONSE_GET
+    return REFUSED if model_api_host else PASS
+
+
+def dialect_of(flow: http.HTTPFlow, kind: str) -> Dialect:
+    """The dialect whose error shape a harness-route caller reads (D-36).
+
+    A model call's route names it; on other harness routes (model list, an unknown path),
+    an `anthropic-version` header says the caller is an Anthropic SDK.
+    """
+    dialect = CALL_DIALECTS.get(kind)
+    if dialect is not None:
+        return dialect
+    if kind == COUNT_TOKENS or "anthropic-version" in flow.request.headers:
+        return MESSAGES_DIALECT
+    if kind in (RESPONSE_GET, COMPACT):
+        return RESPONSES_DIALECT
+    return CHAT_DIALECT
+
+
+def _responses_websocket(flow: http.HTTPFlow) -> bool:
+    """Refuse a WebSocket upgrade to a Responses path (Codex's `wss://…/v1/responses`).
+
+    Codex tries the WebSocket first; a 426 makes it fall back to HTTPS at once, where a
+    404 or 403 makes it retry five times first (docs/proxy.md). True when refused.
+    """
+    request = flow.request
+    if request.headers.get("upgrade", "").lower() != "websocket":
+        return False
+    if "/v1/responses" not in request.path.partition("?")[0]:
+        return False
+    logger.info("refused a WebSocket upgrade to %s%s", request.host, request.path)
+    harness_error(flow, 426, WEBSOCKET_REFUSAL, "websocket_not_supported", RESPONSES_DIALECT)
+    return True
 
 
 def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
-    """An error in the shape the route's callers read: OpenAI-shaped on harness routes."""
+    """An error in the shape the route's callers read: the dialect's on harness routes."""
     if kind in HARNESS_KINDS:
-        harness_error(flow, status, message)
+        harness_error(flow, status, message, None, dialect_of(flow, kind))
     else:
         respond(flow, status, control_error(message))
 
@@ -129,7 +230,7 @@ class SkycapAddon:
             capture = {"mode": "text"}
         self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
         if options.proxy_port is not None:
-            self.proxy = Proxy(self.store, ensure_ca(options.confdir))
+            self.proxy = Proxy(self.store, ensure_ca(options.confdir), options.model_api_hosts)
         self.control = Control(self.store, self.proxy)
         self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
         self.harness = Harness(options, self.store, self.text, self.backend)
@@ -194,7 +295,17 @@ class SkycapAddon:
         except ProxyAuthRequired as refused:
             flow.response = refused.response()
             return ANSWERED, None
-        kind = proxy_route(flow.request.method, flow.request.path)
+        if _responses_websocket(flow):
+            return ANSWERED, trajectory_id
+        kind = proxy_route(
+            flow.request.method, flow.request.path, self.proxy.model_api_host(flow.request.host)
+        )
+        if kind == REFUSED:
+            dialect = dialect_of(flow, kind)
+            if flow.request.host == "api.anthropic.com":
+                dialect = MESSAGES_DIALECT
+            self.proxy.refuse(flow, trajectory_id, dialect)
+            return ANSWERED, trajectory_id
         if kind == PASS:
             self.proxy.pass_through(flow, trajectory_id)
             return (ANSWERED if flow.response is not None else PASS), trajectory_id
@@ -207,6 +318,8 @@ class SkycapAddon:
         """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
         if self.proxy is not None and self.proxy.serves(flow):
             kind, trajectory_id = self._proxy_route(flow)
+        elif _responses_websocket(flow):
+            kind, trajectory_id = ANSWERED, None
         else:
             kind, trajectory_id = route(flow.request.method, flow.request.path)
         flow.metadata[ROUTE] = (kind, trajectory_id)
@@ -218,7 +331,12 @@ class SkycapAddon:
             flow.metadata[ROUTE] = (OVERSIZE, None)
             data = flow.request.data
             data.scheme, data.host, data.port = b"http", "127.0.0.1", self.sink.port
-            data.path = HARNESS_PATH if kind in HARNESS_KINDS else CONTROL_PATH
+            if kind not in HARNESS_KINDS:
+                data.path = CONTROL_PATH
+            elif dialect_of(flow, kind) is MESSAGES_DIALECT:
+                data.path = MESSAGES_HARNESS_PATH
+            else:
+                data.path = HARNESS_PATH
             flow.request.stream = True
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -239,11 +357,20 @@ class SkycapAddon:
         assert self.options is not None
         if len(raw) > self.options.max_body_size:
             _refuse(flow, kind, 413, too_large_message(len(raw), self.options.max_body_size))
-        elif kind == CHAT or kind == MODELS:
+        elif kind in CALL_DIALECTS or kind == MODELS or kind == COUNT_TOKENS:
             await self._harness(flow, kind, trajectory_id, raw)
+        elif kind == COMPACT:
+            logger.info("refused %s %s: not captured", flow.request.method, flow.request.path)
+            harness_error(flow, 400, COMPACT_REFUSAL, "route_not_captured", RESPONSES_DIALECT)
+        elif kind == RESPONSE_GET:
+            assert trajectory_id is not None
+            proxied = flow.metadata.get(PROXIED, False)
+            response_id = flow.request.path.partition("?")[0].rpartition("/")[2]
+            await self.harness.stored_response(flow, trajectory_id, proxied, response_id)
         elif kind == HARNESS_MISS:
             path = flow.request.path.partition("?")[0]
-            harness_error(flow, 404, f"no route {flow.request.method} {path}")
+            message = f"no route {flow.request.method} {path}"
+            harness_error(flow, 404, message, None, dialect_of(flow, kind))
         else:
             answer = await self._control(flow, kind, trajectory_id, raw)
             respond(flow, answer.status, answer.body)
@@ -254,9 +381,12 @@ class SkycapAddon:
         assert trajectory_id is not None
         proxied = flow.metadata.get(PROXIED, False)
         if kind == MODELS:
-            await self.harness.models(flow, trajectory_id, proxied)
+            await self.harness.models(flow, trajectory_id, proxied, dialect_of(flow, kind))
             return
-        call = await self.harness.chat(flow, trajectory_id, proxied, raw)
+        if kind == COUNT_TOKENS:
+            await self.harness.count_tokens(flow, trajectory_id, proxied, raw, MESSAGES_DIALECT)
+            return
+        call = await self.harness.call(flow, trajectory_id, proxied, raw, CALL_DIALECTS[kind])
         if call is not None:
             flow.metadata[CALL] = call  # the response hooks complete it
 
@@ -310,18 +440,21 @@ class SkycapAddon:
         with _logged(flow, "error"):
             if call is not None:
                 call.on_error(flow)
-            elif self.text is not None and flow.metadata.get(ROUTE, (None,))[0] == MODELS:
-                self.text.on_models_error(flow)
+            elif self.text is not None:
+                kind = flow.metadata.get(ROUTE, (None,))[0]
+                if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):
+                    self.text.on_forward_error(flow, dialect_of(flow, kind))
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, None)
 
     def _access(self, flow: http.HTTPFlow, status: int | None) -> None:
         kind, trajectory_id = flow.metadata.get(ROUTE, (None, None))
-        if kind not in (CHAT, MODELS):
+        tail = _ACCESS_TAILS.get(kind)
+        if tail is None:
             return
         elapsed = (time.time() - flow.request.timestamp_start) * 1000.0
         outcome = str(status) if status is not None else f"error ({flow.error})"
-        path = f"/t/{trajectory_id}/v1/{'chat/completions' if kind == CHAT else 'models'}"
+        path = f"/t/{trajectory_id}/v1/{tail}"
         if flow.metadata.get(PROXIED):
             path = f"{path} (through the proxy)"
         access_log.info("%s %s %s %.1f ms", flow.request.method, path, outcome, elapsed)

@@ -55,6 +55,7 @@ class Control:
         created = {
             "id": live.id,
             "base_url": f"{origin}/t/{live.id}/v1",
+            "anthropic_base_url": f"{origin}/t/{live.id}",  # D-48: ANTHROPIC_BASE_URL
             "api_key": live.api_key.decode("ascii"),
         }
         if self.proxy is not None:

@@ -21,6 +21,9 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--sampling-mask` | `sampling_mask` | `skycap_sampling_mask` |
 | `--logprobs-mode MODE` | `logprobs_mode` | `skycap_logprobs_mode` |
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
+| `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
+| `--upstream-auth {bearer,x-api-key}` | `upstream_auth` (D-37) | `skycap_upstream_auth` |
+| `--model-api-host HOST` (repeat) | `model_api_hosts` (D-38) | `skycap_model_api_host` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
@@ -54,9 +57,26 @@ from urllib.parse import urlsplit
 import orjson
 
 from skycap.certs import default_confdir
+from skycap.dialects.chat import REASONING_FIELDS
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
 
 MODES = ("text", "tokens")
+UPSTREAM_AUTH = ("bearer", "x-api-key")
+#: D-38: hosts whose every uncaptured route is refused through the proxy, never forwarded.
+MODEL_API_HOSTS = (
+    "api.openai.com",
+    "api.anthropic.com",
+    "*.openai.azure.com",
+    "generativelanguage.googleapis.com",
+    "*-aiplatform.googleapis.com",
+    "bedrock-runtime.*.amazonaws.com",
+    "openrouter.ai",
+    "api.together.xyz",
+    "api.fireworks.ai",
+    "api.deepseek.com",
+    "api.mistral.ai",
+    "api.groq.com",
+)
 DEFAULT_API_KEY_ENV = "SKYCAP_UPSTREAM_API_KEY"
 GIB = 1 << 30
 
@@ -85,6 +105,9 @@ class ServerOptions:
     sampling_mask: bool = False
     logprobs_mode: str = "processed_logprobs"
     use_raw_content: bool = False
+    reasoning_field: str = "both"
+    upstream_auth: str | None = None
+    model_api_hosts: tuple[str, ...] = MODEL_API_HOSTS
     record_dir: str | Path | None = None
     record_host: str | None = None
     ttl: float = 3600.0
@@ -105,6 +128,7 @@ class ServerOptions:
         self._check_mode()
         self._check_upstream()
         self._check_numbers()
+        self._check_choices()
         self._check_mappings()
         if self.record_dir is not None:
             object.__setattr__(self, "record_dir", _record_dir(self.record_dir))
@@ -187,6 +211,25 @@ class ServerOptions:
                 )
         if self.max_model_len is not None:
             _integer(self.max_model_len, "max_model_len", low=1)
+
+    def _check_choices(self) -> None:
+        if self.reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"{_name('reasoning_field')} must be one of {', '.join(REASONING_FIELDS)}, "
+                f"got {self.reasoning_field!r}"
+            )
+        if self.upstream_auth is not None and self.upstream_auth not in UPSTREAM_AUTH:
+            raise ValueError(
+                f"{_name('upstream_auth')} must be one of {', '.join(UPSTREAM_AUTH)}, "
+                f"got {self.upstream_auth!r}"
+            )
+        hosts = self.model_api_hosts
+        if isinstance(hosts, str) or not all(isinstance(h, str) and h for h in hosts):
+            raise ValueError(
+                f"{_name('model_api_hosts')} must be a sequence of host names or patterns, "
+                f"got {hosts!r}"
+            )
+        object.__setattr__(self, "model_api_hosts", tuple(h.lower() for h in hosts))
 
     def _check_mappings(self) -> None:
         for key in ("chat_template_kwargs", "sampling_overrides", "path_rules"):
@@ -398,6 +441,13 @@ FLAGS: tuple[Flag, ...] = (
         convert=None,
     ),
     Flag(
+        "--reasoning-field",
+        "reasoning_field",
+        "token mode: the chat reply key(s) carrying the reasoning text (default both)",
+        default="both",
+        choices=REASONING_FIELDS,
+    ),
+    Flag(
         "--record-dir",
         "record_dir",
         "record directory; without it trajectories stay in memory and never expire",
@@ -444,6 +494,23 @@ FLAGS: tuple[Flag, ...] = (
         "(default: no limit)",
         convert=_number(float, "--upstream-timeout"),
         metavar="SECONDS",
+    ),
+    Flag(
+        "--upstream-auth",
+        "upstream_auth",
+        "how the upstream key is sent: bearer (Authorization), or x-api-key (default: "
+        "x-api-key for api.anthropic.com, else bearer)",
+        choices=UPSTREAM_AUTH,
+        metavar="{bearer,x-api-key}",
+    ),
+    Flag(
+        "--model-api-host",
+        "model_api_hosts",
+        "through the proxy, a host (fnmatch pattern) whose uncaptured routes are refused, "
+        "never forwarded; repeatable, replaces the default list (docs/proxy.md)",
+        convert=tuple,
+        metavar="HOST",
+        repeat=True,
     ),
     Flag(
         "--proxy-port",

@@ -13,16 +13,22 @@ messages (D-24):
 * a plain-HTTP request in absolute form (no CONNECT) carries its own credentials and is
   checked the same way, request by request.
 
-Inside a tunnel, chat-completions and model-list calls are captured by the addon exactly
-like `/t/{id}/v1` calls; everything else passes through unchanged (streamed both ways,
-never buffered) and is counted per host. Passing through needs an open trajectory, so an
-ended trajectory's id, which is no secret, never turns skycap into an open relay.
+Inside a tunnel, model calls (Chat Completions, Anthropic Messages and its count_tokens,
+model lists) are captured by the addon exactly like `/t/{id}/v1` calls, on any host. Any
+other request to a model-API host (`--model-api-host`, D-38) is refused in the caller's
+error shape and never forwarded with the harness's key; everything else passes through
+unchanged (streamed both ways, never buffered). Refusals and pass-throughs are each an
+`info` line and a per-host count in /healthz. Passing through needs an open trajectory, so
+an ended trajectory's id, which is no secret, never turns skycap into an open relay.
 """
 
 from __future__ import annotations
 
 import collections
+import fnmatch
 import hmac
+import logging
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,10 +36,13 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import RegularMode
 
 from skycap.certs import CertAuthority
+from skycap.dialects import Dialect
+from skycap.dialects.chat import openai_error
 from skycap.server.keys import basic_credentials, raw_header
 from skycap.server.store import Live, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
-from skycap.wire import openai_error
+
+logger = logging.getLogger("skycap.server")
 
 REALM = 'Basic realm="skycap"'
 _JSON = "application/json"
@@ -69,9 +78,13 @@ def _credentials(flow: http.HTTPFlow) -> bytes | None:
 class Proxy:
     """Credentials, tunnels and pass-through counts for the proxy listener (one per server)."""
 
-    def __init__(self, store: TrajectoryStore, ca: CertAuthority) -> None:
+    def __init__(
+        self, store: TrajectoryStore, ca: CertAuthority, model_api_hosts: Sequence[str] = ()
+    ) -> None:
         self.store = store
         self.ca = ca
+        self.model_api_hosts = tuple(model_api_hosts)
+        self.refused: collections.Counter[str] = collections.Counter()
         self.port: int | None = None  # the bound port, known once the listener runs
         self._tunnels: dict[str, str] = {}  # client connection id -> trajectory id
         self.passed_through: collections.Counter[str] = collections.Counter()
@@ -133,6 +146,27 @@ class Proxy:
 
     # -- traffic that is not captured ----------------------------------------------------------
 
+    def model_api_host(self, host: str) -> bool:
+        """Whether `host` is a model-API host (D-38): its uncaptured routes are refused."""
+        host = host.lower().rstrip(".")
+        return any(fnmatch.fnmatchcase(host, pattern) for pattern in self.model_api_hosts)
+
+    def refuse(self, flow: http.HTTPFlow, trajectory_id: str, dialect: Dialect) -> None:
+        """Answer an uncaptured route of a model-API host: 403, never forwarded (D-38)."""
+        request = flow.request
+        route = f"{request.method} {request.host}{request.path.partition('?')[0]}"
+        self.refused[request.host] += 1
+        logger.info("proxy: refused %s for %s: not a captured model route", route, trajectory_id)
+        message = (
+            f"skycap does not capture {route}: on a model-API host only model calls "
+            "(chat/completions, v1/messages, v1/messages/count_tokens, v1/responses, models) are "
+            "captured, and any other route is refused rather than forwarded with the "
+            "harness's key"
+        )
+        flow.response = http.Response.make(
+            403, dialect.error(403, message, "route_not_captured"), {"content-type": _JSON}
+        )
+
     def pass_through(self, flow: http.HTTPFlow, trajectory_id: str) -> None:
         """Stream a request the harness makes beside its model calls, unchanged; count its host.
 
@@ -146,6 +180,12 @@ class Proxy:
             return
         live.touch()
         self.passed_through[flow.request.host] += 1
+        logger.info(
+            "proxy: passed through %s %s for %s",
+            flow.request.method,
+            flow.request.host,
+            trajectory_id,
+        )
         flow.request.stream = True
 
     # -- what the control routes report --------------------------------------------------------
@@ -160,6 +200,10 @@ class Proxy:
             "env": {
                 "HTTPS_PROXY": proxy_url,
                 "SSL_CERT_FILE": str(self.ca.bundle),
+                # D-48: Node (Claude Code, the Node SDKs) and Codex read their own names.
+                "NODE_EXTRA_CA_CERTS": str(self.ca.bundle),
+                "NODE_USE_ENV_PROXY": "1",
+                "CODEX_CA_CERTIFICATE": str(self.ca.bundle),
                 "NO_PROXY": host,
             },
         }
@@ -169,4 +213,5 @@ class Proxy:
             "port": self.port,
             "ca_bundle": str(self.ca.bundle),
             "passed_through": dict(self.passed_through),
+            "refused": dict(self.refused),
         }

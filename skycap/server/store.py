@@ -197,7 +197,7 @@ class TrajectoryStore:
         self.calls_total += 1
         usage = call.get("usage")
         if isinstance(usage, dict):
-            for key in ("prompt_tokens", "completion_tokens"):
+            for key in ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens"):
                 value = usage.get(key)
                 if type(value) is int:
                     self.tokens_total += value
@@ -496,19 +496,26 @@ class TrajectoryStore:
                 self._forget(live.trajectory)
 
 
+#: D-39: a trajectory that ends with nothing captured says so.
+NO_CALLS_WARNING = "no model call was captured"
+
+
 def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | None) -> bytes:
     """The 200 finish body; samples are built here, in a worker thread (arrays can be large)."""
     samples = [encode_sample(sample) for sample in build_samples(trajectory.graph, rows)]
-    return orjson.dumps(
-        {
-            "id": trajectory.id,
-            "status": trajectory.status,
-            "samples": samples,
-            "unbridged_calls": trajectory.unbridged_calls(),
-            "record": record,
-            "context_length_exceeded": trajectory.context_length_exceeded,
-        }
-    )
+    calls = sum(len(node.calls) for node in trajectory.graph)
+    body: dict[str, Any] = {
+        "id": trajectory.id,
+        "status": trajectory.status,
+        "samples": samples,
+        "calls": calls,
+        "unbridged_calls": trajectory.unbridged_calls(),
+        "record": record,
+        "context_length_exceeded": trajectory.context_length_exceeded,
+    }
+    if calls == 0:
+        body["warnings"] = [NO_CALLS_WARNING]  # D-39
+    return orjson.dumps(body)
 
 
 def _load_complete(record_dir: Path, trajectory_id: str) -> Trajectory:

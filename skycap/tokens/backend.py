@@ -1,7 +1,8 @@
 """The token-mode backend the server plugs in: plan, engine call, commit and reply (http.md §9).
 
-The server routes and gates requests (http.md §3) and hands a checked chat body here;
-everything after that, including the per-trajectory turn lock, happens in `chat`. Renderer
+The server routes and gates requests (http.md §3) and hands a call read by its dialect
+(skycap.dialects) here; everything after that, including the per-trajectory turn lock,
+happens in `call`, and the answer is written in the call's dialect. Renderer
 work (plan, reply parsing, decoding) runs on the renderer pool's worker threads, never on
 the event loop.
 """
@@ -19,6 +20,9 @@ from typing import Any
 import httpx
 import orjson
 
+from skycap.dialects import Dialect, ReplyData, Request
+from skycap.dialects.chat import DIALECT as CHAT
+from skycap.dialects.chat import REASONING_FIELDS
 from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
 from skycap.tokens.commit import CommitError, commit_turn
@@ -30,9 +34,8 @@ from skycap.tokens.engine import (
 )
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
 from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
-from skycap.tokens.reply import Completion, completion_id, finish_reason, reply_messages
+from skycap.tokens.reply import answered_message, finish_reason, reply_message
 from skycap.trajectory import FAILED, Trajectory
-from skycap.wire import openai_error, recorded_sampling
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +66,23 @@ OPTION_NAMES = (
     "sampling_mask",
     "logprobs_mode",
     "use_raw_content",
+    "reasoning_field",
     "upstream_timeout",
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A complete answer for the harness; `replayable`: SDK retries may reuse it (http.md §5)."""
+    """A complete answer for the harness; `replayable`: SDK retries may reuse it (http.md §5).
+
+    `call` is the committed call's record when the turn committed (what /healthz counts).
+    """
 
     status: int
     headers: dict[str, str]
     body: bytes
     replayable: bool = False
+    call: dict[str, Any] | None = None
 
 
 class _TurnFailed(Exception):
@@ -86,12 +94,14 @@ class _TurnFailed(Exception):
 
 @dataclass
 class _TrajectoryState:
-    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18)
-    and the last committed turn's token lists for the next plan (D-27)."""
+    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18),
+    the last committed turn's token lists for the next plan (D-27), and the replies a
+    dialect with reply ids answered, for `GET …/v1/responses/{id}` (D-40)."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     experts_shape: tuple[int, ...] | None = None
     last_turn: TurnLists | None = None
+    replies: dict[str, bytes] = field(default_factory=dict)
 
 
 class TokenBackend:
@@ -114,6 +124,7 @@ class TokenBackend:
         sampling_mask: bool = False,
         logprobs_mode: str = "processed_logprobs",
         use_raw_content: bool = False,
+        reasoning_field: str = "both",
         upstream_timeout: float | None = None,
     ) -> None:
         if not upstream_url:
@@ -129,6 +140,12 @@ class TokenBackend:
         self.engine = engine or VLLMEngine()
         self.model = model or None
         self.max_model_len = max_model_len
+        if reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"reasoning_field must be one of {', '.join(REASONING_FIELDS)}, "
+                f"got {reasoning_field!r}"
+            )
+        self.reasoning_field = reasoning_field
         self.sampling_overrides = dict(sampling_overrides or {})
         self.sampling_mask = sampling_mask
         self.logprobs_mode = logprobs_mode
@@ -138,6 +155,7 @@ class TokenBackend:
             tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
         )
         self._stop_token_ids = list(self._pool.primary.stop_token_ids)
+        self._think_end: int | None = getattr(self._pool.primary, "think_end_id", None)
         self._states: dict[str, _TrajectoryState] = {}
         self._client: httpx.AsyncClient | None = None
 
@@ -162,30 +180,42 @@ class TokenBackend:
 
     # -- a harness call -------------------------------------------------------------------
 
-    async def chat(self, trajectory: Trajectory, body: dict[str, Any]) -> Reply:
-        """Run one turn for a checked chat body (http.md §9.2); always returns a Reply."""
+    async def call(self, trajectory: Trajectory, request: Request, dialect: Dialect) -> Reply:
+        """Run one turn for a call read by `dialect` (http.md §9.2); always returns a Reply."""
         state = self._states.setdefault(trajectory.id, _TrajectoryState())
         async with state.lock:
             if not trajectory.is_open:
-                return _error(410, f"trajectory is {trajectory.status}", "trajectory_closed")
+                return _error(
+                    dialect, 410, f"trajectory is {trajectory.status}", "trajectory_closed"
+                )
+            if request.token_refusal is not None:
+                return _error(dialect, 400, request.token_refusal)
             try:
-                return await self._turn(trajectory, body, state)
+                return await self._turn(trajectory, request, dialect, state)
             except _TurnFailed as failed:
                 return failed.reply
 
     async def _turn(
-        self, trajectory: Trajectory, body: dict[str, Any], state: _TrajectoryState
+        self,
+        trajectory: Trajectory,
+        request: Request,
+        dialect: Dialect,
+        state: _TrajectoryState,
     ) -> Reply:
         t_start = time.time()
-        tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
-        model = self.model or model_key(body.get("model"))
-        plan = await self._plan(trajectory, body["messages"], tools, model, state.last_turn)
-        room = self._check_limits(trajectory, body, len(plan.prompt_ids))
-        sampling, request = self._engine_request(body, plan, room, model)
-        output = await self._generate(trajectory, request, plan.routes_from)
-        stored, answered = await self._reply_messages(trajectory, plan, output, tools)
+        # A dialect whose tools a template cannot all express renders fewer (D-29).
+        tools = request.extras["token_tools"] if "token_tools" in request.extras else request.tools
+        model = self.model or model_key(request.model)
+        plan = await self._plan(
+            trajectory, request.messages, tools, model, state.last_turn, dialect
+        )
+        room = self._check_limits(trajectory, request, len(plan.prompt_ids), dialect)
+        sampling, engine_request = self._engine_request(request, plan, room, model, dialect)
+        output = await self._generate(trajectory, engine_request, plan.routes_from, dialect)
+        stored = await self._reply_message(trajectory, plan, output, tools, dialect)
+        stored = dialect.issue(stored, output.completion_ids)
         reason = finish_reason(output.finish_reason, stored)
-        requested = body.get("model") if isinstance(body.get("model"), str) else None
+        requested = request.model if isinstance(request.model, str) else None
         call = {
             "t_start": t_start,
             "t_end": time.time(),
@@ -196,40 +226,70 @@ class TokenBackend:
                 "completion_tokens": len(output.completion_ids),
             },
             "finish_reason": reason,
+            "dialect": dialect.name,
+            **request.recorded,
         }
-        status = self._commit(trajectory, plan, output, stored, call, tools, model, state)
-        return self._answer(body, plan, output, answered, reason, status)
+        if request.extras.get("omitted_tools"):
+            call["omitted_tools"] = request.extras["omitted_tools"]
+        reply_id = dialect.reply_id()
+        if dialect.reply_id_key is not None:
+            call[dialect.reply_id_key] = reply_id
+        status = self._commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
+        answered = answered_message(
+            stored, use_raw_content=self.use_raw_content, reasoning_field=self.reasoning_field
+        )
+        data = ReplyData(
+            id=reply_id,
+            created=int(time.time()),
+            model=self._answered_model(request),
+            message=answered,
+            finish_reason=reason,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(output.completion_ids),
+            request=request,
+            reasoning_tokens=_reasoning_tokens(output.completion_ids, self._think_end),
+        )
+        if status == "ok" and dialect.reply_id_key is not None:
+            state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id} (D-40)
+        reply = self._answer(request, dialect, data, status)
+        committed = call if status == "ok" else None
+        return Reply(reply.status, reply.headers, reply.body, reply.replayable, committed)
 
     def _engine_request(
-        self, body: dict[str, Any], plan: Plan, room: int | None, model: str
+        self, request: Request, plan: Plan, room: int | None, model: str, dialect: Dialect
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(merged sampling, engine request body) (http.md §9.3-9.4); bad values answer 400."""
         try:
             sampling = merge_sampling(
-                recorded_sampling(body),
+                request.sampling,
                 self.sampling_overrides,
                 room=room,
                 stop_token_ids=self._stop_token_ids,
             )
-            request = self.engine.request(
+            engine_request = self.engine.request(
                 prompt_ids=plan.prompt_ids,
                 sampling=sampling,
                 model=model or None,
-                cache_salt=body.get("cache_salt") or None,
+                cache_salt=request.extras.get("cache_salt") or None,
                 sampling_mask=self.sampling_mask,
                 routes_from=plan.routes_from,
             )
         except ValueError as exc:
-            raise _TurnFailed(_error(400, str(exc))) from exc
-        return sampling, request
+            raise _TurnFailed(_error(dialect, 400, str(exc))) from exc
+        return sampling, engine_request
 
-    async def _reply_messages(
-        self, trajectory: Trajectory, plan: Plan, output: EngineOutput, tools: list[Any] | None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(stored, answered) reply messages; a completion the renderer cannot read is a 502."""
+    async def _reply_message(
+        self,
+        trajectory: Trajectory,
+        plan: Plan,
+        output: EngineOutput,
+        tools: list[Any] | None,
+        dialect: Dialect,
+    ) -> dict[str, Any]:
+        """The reply message to store; a completion the renderer cannot read is a 502."""
         try:
             return await self._pool.run(
-                lambda r: reply_messages(
+                lambda r: reply_message(
                     r,
                     output.completion_ids,
                     tools,
@@ -239,7 +299,7 @@ class TokenBackend:
             )
         except RenderError as exc:
             trajectory.add_failure(None, f"engine: {exc}")
-            raise _TurnFailed(_error(502, f"engine: {exc}")) from exc
+            raise _TurnFailed(_error(dialect, 502, f"engine: {exc}")) from exc
 
     async def _plan(
         self,
@@ -248,6 +308,7 @@ class TokenBackend:
         tools: list[Any] | None,
         model: str,
         last_turn: TurnLists | None,
+        dialect: Dialect,
     ) -> Plan:
         key = tools_hash(tools)
         try:
@@ -255,21 +316,21 @@ class TokenBackend:
                 lambda r: plan_turn(trajectory.graph, r, messages, tools, key, model, last_turn)
             )
         except PlanError as exc:
-            raise _TurnFailed(_error(400, str(exc))) from exc
+            raise _TurnFailed(_error(dialect, 400, str(exc))) from exc
 
     def _check_limits(
-        self, trajectory: Trajectory, body: dict[str, Any], prompt_tokens: int
+        self, trajectory: Trajectory, request: Request, prompt_tokens: int, dialect: Dialect
     ) -> int | None:
         """Refusals before inference (http.md §9.2 steps 3-4); returns the room left, if bounded."""
-        bound = body.get("max_prompt_tokens")
+        bound = request.extras.get("max_prompt_tokens")
         if bound is not None:
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-                raise _TurnFailed(
-                    _error(400, f"max_prompt_tokens must be a non-negative integer, got {bound!r}")
-                )
+                message = f"max_prompt_tokens must be a non-negative integer, got {bound!r}"
+                raise _TurnFailed(_error(dialect, 400, message))
             if prompt_tokens > bound:
                 raise _too_long(
                     trajectory,
+                    dialect,
                     f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens={bound}",
                 )
         if self.max_model_len is None:
@@ -278,13 +339,14 @@ class TokenBackend:
         if room <= 0:
             raise _too_long(
                 trajectory,
+                dialect,
                 f"prompt of {prompt_tokens} tokens leaves no room within "
                 f"max_model_len={self.max_model_len}",
             )
         return room
 
     async def _generate(
-        self, trajectory: Trajectory, request: dict[str, Any], routes_from: int
+        self, trajectory: Trajectory, request: dict[str, Any], routes_from: int, dialect: Dialect
     ) -> EngineOutput:
         """Call the engine and read its reply; failures are recorded and answered 502/5xx (D-14)."""
         try:
@@ -293,7 +355,7 @@ class TokenBackend:
                 text = content[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")
                 trajectory.add_failure(status, text)
                 reply = _error(
-                    status if status >= 500 else 502, engine_status_message(status, text)
+                    dialect, status if status >= 500 else 502, engine_status_message(status, text)
                 )
                 raise _TurnFailed(reply)
             try:
@@ -304,7 +366,7 @@ class TokenBackend:
         except EngineError as exc:
             problem = f"engine: {exc}"
             trajectory.add_failure(None, problem)
-            raise _TurnFailed(_error(502, problem)) from exc
+            raise _TurnFailed(_error(dialect, 502, problem)) from exc
 
     async def _post_engine(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
         """POST the generate request: (status, body); transport failures raise EngineError."""
@@ -330,6 +392,7 @@ class TokenBackend:
         tools: list[Any] | None,
         model: str,
         state: _TrajectoryState,
+        dialect: Dialect,
     ) -> str:
         """Commit on the event loop; a CommitError seals the trajectory `failed` (graph.md §8)."""
         try:
@@ -349,42 +412,41 @@ class TokenBackend:
             return "failed"
         if node is None:
             raise _TurnFailed(
-                _error(410, f"trajectory is {trajectory.status}", "trajectory_closed")
+                _error(dialect, 410, f"trajectory is {trajectory.status}", "trajectory_closed")
             )
         if output.routed_experts is not None and state.experts_shape is None:
             state.experts_shape = tuple(output.routed_experts.shape[1:])
         state.last_turn = _turn_lists(trajectory.graph, node.id, plan, output, state.last_turn)
         return "ok"
 
-    def _answer(
-        self,
-        body: dict[str, Any],
-        plan: Plan,
-        output: EngineOutput,
-        message: dict[str, Any],
-        reason: str,
-        status: str,
-    ) -> Reply:
-        requested = body.get("model")
-        completion = Completion(
-            id=completion_id(),
-            created=int(time.time()),
-            model=requested if isinstance(requested, str) and requested else self.model or "",
-            message=message,
-            finish_reason=reason,
-            prompt_tokens=len(plan.prompt_ids),
-            completion_tokens=len(output.completion_ids),
-        )
+    def _answered_model(self, request: Request) -> str:
+        requested = request.model
+        return requested if isinstance(requested, str) and requested else self.model or ""
+
+    def _answer(self, request: Request, dialect: Dialect, data: ReplyData, status: str) -> Reply:
         headers = {"x-skycap-status": status}
-        if body.get("stream") is True:
+        if request.stream:
             headers |= {"content-type": "text/event-stream", "cache-control": "no-cache"}
-            payload = completion.sse()
+            payload = dialect.reply_sse(data)
         else:
             headers["content-type"] = "application/json"
-            payload = completion.json()
+            payload = dialect.reply_json(data)
         return Reply(200, headers, payload, replayable=status == "ok")
 
+    def stored_reply(self, trajectory_id: str, reply_id: str) -> bytes | None:
+        """A reply this trajectory was answered, by id (`GET …/v1/responses/{id}`), or None."""
+        state = self._states.get(trajectory_id)
+        return None if state is None else state.replies.get(reply_id)
+
     # -- other routes and lifecycle -------------------------------------------------------
+
+    async def count_tokens(self, request: Request, dialect: Dialect) -> int | Reply:
+        """The rendered prompt's length for `request` (Messages `count_tokens`), or a 400."""
+        try:
+            rendered = await self._pool.run(lambda r: r.render(request.messages, request.tools))
+        except RenderError as exc:
+            return _error(dialect, 400, str(exc))
+        return len(rendered.token_ids)
 
     async def models(self) -> Reply:
         """`GET /t/{id}/v1/models` (http.md §9.9)."""
@@ -398,7 +460,7 @@ class TokenBackend:
         try:
             response = await self._http().get(url, headers=self._auth())
         except httpx.HTTPError as exc:
-            return _error(502, f"engine: {type(exc).__name__} calling {url}: {exc}")
+            return _error(CHAT, 502, f"engine: {type(exc).__name__} calling {url}: {exc}")
         content_type = response.headers.get("content-type", "application/json")
         return Reply(response.status_code, {"content-type": content_type}, response.content)
 
@@ -454,6 +516,16 @@ class TokenBackend:
         return self._client
 
 
+def _reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> int:
+    """The completion's tokens through the end of its thinking (Responses usage), or 0."""
+    if think_end is None:
+        return 0
+    for position, token in enumerate(completion_ids):
+        if token == think_end:
+            return position + 1
+    return 0
+
+
 def _turn_lists(
     graph: Graph, node_id: int, plan: Plan, output: EngineOutput, last: TurnLists | None
 ) -> TurnLists:
@@ -504,14 +576,15 @@ def engine_status_message(status: int, body: str) -> str:
     return f"{message}: {excerpt}" if excerpt else message
 
 
-def _too_long(trajectory: Trajectory, message: str) -> _TurnFailed:
+def _too_long(trajectory: Trajectory, dialect: Dialect, message: str) -> _TurnFailed:
     """A `context_length_exceeded` refusal, remembered for the finish answer (http.md §2.3)."""
     trajectory.context_length_exceeded = True
-    return _TurnFailed(_error(400, message, CONTEXT_LENGTH_EXCEEDED))
+    return _TurnFailed(_error(dialect, 400, message, CONTEXT_LENGTH_EXCEEDED))
 
 
-def _error(status: int, message: str, code: str | None = None) -> Reply:
-    return Reply(status, {"content-type": "application/json"}, openai_error(status, message, code))
+def _error(dialect: Dialect, status: int, message: str, code: str | None = None) -> Reply:
+    """A refusal or failure in the caller's dialect (D-36)."""
+    return Reply(status, {"content-type": "application/json"}, dialect.error(status, message, code))
 
 
 def _renderer_pool(
