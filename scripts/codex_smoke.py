@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,24 @@ class CodexRun:
     calls: list[dict[str, Any]] = field(default_factory=list)
     samples: list[Any] = field(default_factory=list)
     status: str = ""
+
+    @property
+    def websocket_failures(self) -> list[float]:
+        """When Codex logged a failed Responses WebSocket connect (epoch seconds)."""
+        stamps = []
+        for line in self.stderr.splitlines():
+            if "responses_websocket" in line and "failed to connect" in line:
+                stamp = line.split(" ", 1)[0].rstrip("Z")
+                stamps.append(datetime.fromisoformat(stamp).replace(tzinfo=UTC).timestamp())
+        return stamps
+
+    @property
+    def fallback_seconds(self) -> float | None:
+        """From Codex's last failed WebSocket connect to the first captured HTTPS call."""
+        failures = self.websocket_failures
+        if not failures or not self.calls:
+            return None
+        return min(c["t_start"] for c in self.calls) - failures[-1]
 
 
 def codex_home(home: Path, base_url: str | None, compact: bool) -> Path:
@@ -276,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
             f"finish={call.get('finish_reason')} bridged={call.get('bridged')} usage={usage}"
         )
     print(f"{len(run.calls)} calls, {len(run.samples)} paths")
+    if run.websocket_failures:
+        print(
+            f"WebSocket: {len(run.websocket_failures)} refused attempt(s); HTTPS call "
+            f"{run.fallback_seconds:.2f} s after the last"
+        )
     if run.returncode != 0:
         print(run.stderr[-3000:], file=sys.stderr)
     return 0 if run.returncode == 0 and run.calls else 1

@@ -129,7 +129,7 @@ class Harness:
         try:
             request = dialect.read(parse_json_body(raw))
             if dialect is RESPONSES:
-                place(live.trajectory, request, must_resolve=self.text is None)
+                place(live.trajectory, request, token_mode=self.text is None)
         except BodyError as exc:
             harness_error(flow, 400, str(exc), None, dialect, exc.param)
             return None

@@ -41,12 +41,22 @@ def history_of(graph: Graph, node_id: int, call: dict[str, Any]) -> list[dict[st
     return messages[1:] if call.get("instructions") else messages
 
 
-def place(trajectory: Trajectory, request: Request, *, must_resolve: bool) -> None:
+def place(trajectory: Trajectory, request: Request, *, token_mode: bool) -> None:
     """Put the named response's history into `request.messages`, then check tool results.
 
+    Token mode renders `developer` messages as `system` ones (chat templates such as
+    Qwen3's have no developer role and would drop them; the Responses API means both as
+    instructions), stores them so, and records `developer_as_system` on the call.
     Raises UnknownResponse (token mode: the id must be this trajectory's) or BodyError (a
     `function_call_output` answering no call in the whole history).
     """
+    if token_mode and any(m.get("role") == "developer" for m in request.messages):
+        request.messages = [
+            {**m, "role": "system"} if m.get("role") == "developer" else m
+            for m in request.messages
+        ]
+        request.recorded["developer_as_system"] = True
+    must_resolve = token_mode
     previous = request.extras.get("previous_response_id")
     if previous is not None:
         found = recorded_reply(trajectory.graph, previous)
