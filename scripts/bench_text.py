@@ -1,16 +1,17 @@
 """Text-mode overhead benchmark (D-26): direct, a no-op lean mitmproxy, and skycap, in one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
-        [--api chat,responses]
+        [--api chat,messages,responses]
 
 The mock upstream, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
-sends the same body, non-streamed and streamed, to each target, in interleaved
+sends the same chat body, non-streamed and streamed, to each target, in interleaved
 rounds (so load from elsewhere on the machine hits every target alike). Proxy CPU comes from
 /proc/<pid>/stat (utime + stime) around each measurement. Printed per cell: throughput,
 p50/p99 latency and proxy CPU per call; then skycap's additions over the no-op proxy
 (targets: <= 0.2 ms CPU and <= 0.3 ms p50 per call) and over direct (goal <= 1.0 ms p50,
-never above 1.5 ms).
+never above 1.5 ms). Each API (`--api`: Chat Completions and Anthropic Messages) has its
+own mock upstream and proxies, and its own rows.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from pathlib import Path
 import httpx
 import orjson
 
+from skycap.control_token import ENV as CONTROL_TOKEN_ENV
+from skycap.control_token import new_control_token
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent. " * 8},
@@ -36,7 +40,9 @@ MESSAGES = [
     {"role": "user", "content": "Go ahead."},
 ]
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
-#: The same conversation as a Responses request (`--api responses`), as Codex sends one.
+ANTHROPIC_MESSAGES = [m for m in MESSAGES if m["role"] != "system"]
+ANTHROPIC_TOOLS = [{"name": "read_file", "input_schema": {"type": "object"}}]
+#: The same conversation as a Responses request, as Codex sends one (developer first).
 RESPONSES_INPUT = [
     {"type": "message", "role": role, "content": [{"type": part, "text": message["content"]}]}
     for message, role, part in zip(
@@ -47,23 +53,18 @@ RESPONSES_INPUT = [
     )
 ]
 RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "parameters": {"type": "object"}}]
-#: api -> (path after the base URL, the request body without `stream`).
-APIS = {
-    "chat": ("/chat/completions", {"model": "policy", "messages": MESSAGES, "tools": TOOLS}),
-    "responses": (
-        "/responses",
-        {"model": "policy", "input": RESPONSES_INPUT, "tools": RESPONSES_TOOLS, "store": False},
-    ),
-}
 
 
 # -- the processes under test ----------------------------------------------------------------
 
 
-def role_upstream() -> None:
+def role_upstream(api: str) -> None:
+    from skycap.mock.anthropic import ScriptedAnthropicUpstream
     from skycap.mock.responses import ScriptedResponsesUpstream
+    from skycap.mock.upstream import ScriptedUpstream
 
-    upstream = ScriptedResponsesUpstream()
+    kinds = {"messages": ScriptedAnthropicUpstream, "responses": ScriptedResponsesUpstream}
+    upstream = kinds.get(api, ScriptedUpstream)()
     print(upstream.start(), flush=True)
     sys.stdin.read()
     upstream.stop()
@@ -89,7 +90,8 @@ def role_proxy(kind: str, upstream_url: str) -> None:
     from skycap.server.options import ServerOptions
     from skycap.server.runner import serve, settle_garbage_collector
 
-    options = ServerOptions(upstream_url)
+    # The parent made the control token and passes it down in the environment.
+    options = ServerOptions(upstream_url, control_token=os.environ[CONTROL_TOKEN_ENV])
     addons = None
     if kind == "noop":
         _, host, port = options.upstream_origin
@@ -194,34 +196,65 @@ async def drive(
     return time.perf_counter() - began, latencies
 
 
-def call_urls(target: str, base: str, workers: int, path: str) -> list[str]:
+PATHS = {"chat": "chat/completions", "messages": "messages", "responses": "responses"}
+
+
+def call_urls(api: str, target: str, base: str, workers: int) -> list[str]:
     if target != "skycap":
-        return [f"{base}/v1{path}"] * workers
+        return [f"{base}/v1/{PATHS[api]}"] * workers
     urls = []
     for _ in range(workers):
-        created = httpx.post(f"{base}/trajectories", json={"meta": {"bench": True}}).json()
-        urls.append(f"{created['base_url']}{path}")
+        created = httpx.post(
+            f"{base}/trajectories",
+            json={"meta": {"bench": True}},
+            headers={"authorization": f"Bearer {os.environ[CONTROL_TOKEN_ENV]}"},
+        ).json()
+        urls.append(f"{created['base_url']}/{PATHS[api]}")
     return urls
 
 
+def request_body(api: str, stream: bool) -> bytes:
+    if api == "messages":
+        body = {
+            "model": "policy",
+            "max_tokens": 256,
+            "system": MESSAGES[0]["content"],
+            "messages": ANTHROPIC_MESSAGES,
+            "tools": ANTHROPIC_TOOLS,
+            "stream": stream,
+        }
+    elif api == "responses":
+        body = {
+            "model": "policy",
+            "input": RESPONSES_INPUT,
+            "tools": RESPONSES_TOOLS,
+            "store": False,
+            "stream": stream,
+        }
+    else:
+        body = {"model": "policy", "messages": MESSAGES, "tools": TOOLS, "stream": stream}
+    return orjson.dumps(body)
+
+
 def measure(
-    targets: dict[str, tuple[str, Child | None]],
     api: str,
+    targets: dict[str, tuple[str, Child | None]],
     stream: bool,
     concurrency: int,
     total: int,
     rounds: int,
 ) -> list[Cell]:
     """Every target in turn, `rounds` times, so load that comes and goes hits them alike."""
-    path, request = APIS[api]
-    body = orjson.dumps({**request, "stream": stream})
+    body = request_body(api, stream)
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    if api == "messages":
+        headers |= {"x-api-key": "sk-bench", "anthropic-version": "2023-06-01"}
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     async def run() -> list[Cell]:
         setups = {}
         for name, (base, proxy) in targets.items():
-            urls = call_urls(name, base, concurrency, path)
+            urls = call_urls(api, name, base, concurrency)
             clients = [httpx.AsyncClient(limits=limits, timeout=60, headers=headers) for _ in urls]
             await drive(clients, urls, body, stream, max(100, total // 5))  # warm-up
             cell = Cell(api, name, stream, concurrency, 0, 0.0, [], 0.0)
@@ -247,18 +280,18 @@ def measure(
 
 def report(cells: list[Cell]) -> None:
     print(
-        f"{'api':<10}{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}"
+        f"{'api':<9}{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}"
         f"{'p99 ms':>9}{'cpu ms/call':>13}"
     )
     for c in cells:
         cpu = "-" if c.cpu_ms is None else f"{c.cpu_ms:.3f}"
         print(
-            f"{c.api:<10}{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}"
+            f"{c.api:<9}{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}"
             f"{c.p50:>9.3f}{c.p99:>9.3f}{cpu:>13}"
         )
     print()
     print(
-        f"{'api':<10}{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
+        f"{'api':<9}{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
         f"{'+p99 vs noop':>13}{'+cpu vs noop':>13}{'rate/noop':>10}{'rate/direct':>12}"
     )
     index = {(c.api, c.target, c.stream, c.concurrency): c for c in cells}
@@ -269,7 +302,7 @@ def report(cells: list[Cell]) -> None:
         direct = index[(c.api, "direct", c.stream, c.concurrency)]
         cpu = c.cpu_ms - noop.cpu_ms if c.cpu_ms is not None and noop.cpu_ms is not None else 0
         print(
-            f"{c.api:<10}{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
+            f"{c.api:<9}{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
             f"{c.p50 - direct.p50:>15.3f}{c.p99 - noop.p99:>13.3f}{cpu:>13.3f}"
             f"{c.rate / noop.rate:>10.2f}{c.rate / direct.rate:>12.2f}"
         )
@@ -280,36 +313,39 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="requests per cell")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
-    parser.add_argument("--api", default="chat,responses", help="comma-separated: chat, responses")
+    parser.add_argument(
+        "--api",
+        default="chat,messages,responses",
+        help="comma-separated: chat, messages, responses",
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         if args.role[0] == "upstream":
-            role_upstream()
+            role_upstream(args.role[1])
         else:
             role_proxy(args.role[0], args.role[1])
         return
     levels = [int(c) for c in args.concurrency.split(",")]
-    upstream = Child("upstream")
-    noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
-    targets = {
-        "direct": (upstream.url.removesuffix("/v1"), None),
-        "noop": (noop.url, noop),
-        "skycap": (skycap.url, skycap),
-    }
-    apis = args.api.split(",")
-    unknown = sorted(set(apis) - set(APIS))
-    if unknown:
-        parser.error(f"unknown --api {', '.join(unknown)}: use chat, responses")
+    os.environ[CONTROL_TOKEN_ENV] = new_control_token()  # the children inherit it
     cells = []
-    try:
-        for api in apis:
+    for api in args.api.split(","):
+        if api not in PATHS:
+            parser.error(f"--api takes chat, messages and/or responses, got {api!r}")
+        upstream = Child("upstream", api)
+        noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
+        targets = {
+            "direct": (upstream.url.removesuffix("/v1"), None),
+            "noop": (noop.url, noop),
+            "skycap": (skycap.url, skycap),
+        }
+        try:
             for stream in (False, True):
                 for concurrency in levels:
-                    cells += measure(targets, api, stream, concurrency, args.requests, args.rounds)
-    finally:
-        for child in (noop, skycap, upstream):
-            child.stop()
+                    cells += measure(api, targets, stream, concurrency, args.requests, args.rounds)
+        finally:
+            for child in (noop, skycap, upstream):
+                child.stop()
     report(cells)
 
 

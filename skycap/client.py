@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 
 from skycap.arrays import unpack
+from skycap.control_token import ENV as CONTROL_TOKEN_ENV
+from skycap.control_token import find_control_token
 
 __all__ = [
     "CaptureError",
@@ -249,13 +251,21 @@ class Trajectory:
 
 
 class CapturePool:
-    """Round-robin client for capture servers; one httpx client at a time, bound to its loop."""
+    """Round-robin client for capture servers; one httpx client at a time, bound to its loop.
 
-    def __init__(self, urls: list[str], *, timeout: float = 60.0) -> None:
+    Control calls carry the servers' control token (D-30): `control_token` when given, else
+    for each server the one `skycap.control_token.find_control_token` finds (a CaptureService
+    in this process, `SKYCAP_CONTROL_TOKEN`, or the file `skycap serve` wrote on this machine).
+    """
+
+    def __init__(
+        self, urls: list[str], *, timeout: float = 60.0, control_token: str | None = None
+    ) -> None:
         if isinstance(urls, str) or not urls:
             raise ValueError(f"CapturePool needs a non-empty list of server URLs, got {urls!r}")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
+        self.control_token = control_token
         # A random start spreads the load of many independent pools over the servers.
         self._next = random.randrange(len(self.urls))
         self._client: httpx.AsyncClient | None = None
@@ -349,7 +359,10 @@ class CapturePool:
     async def _request(self, method: str, url: str, content: bytes | None = None) -> Any:
         """One HTTP exchange; every failure becomes a CaptureError (status None if no answer)."""
         client = self._http()
-        headers = {"content-type": "application/json"} if content is not None else None
+        headers = {"content-type": "application/json"} if content is not None else {}
+        token = self.control_token if self.control_token is not None else find_control_token(url)
+        if token is not None:
+            headers["authorization"] = f"Bearer {token}"
         try:
             async with asyncio.timeout(self.timeout):
                 resp = await client.request(method, url, content=content, headers=headers)
@@ -364,7 +377,7 @@ class CapturePool:
                 f"({type(exc).__name__}: {exc or 'no detail'})"
             ) from exc
         if resp.status_code != 200:
-            raise _http_error(method, url, resp)
+            raise _http_error(method, url, resp, token_sent=token is not None)
         try:
             return resp.json()
         except ValueError as exc:
@@ -393,10 +406,15 @@ class CapturePool:
             raise CaptureError(f"POST {url}: malformed create reply: {exc}", 200) from exc
 
 
-def _http_error(method: str, url: str, resp: httpx.Response) -> CaptureError:
+def _http_error(method: str, url: str, resp: httpx.Response, *, token_sent: bool) -> CaptureError:
     """Bodies are parsed as JSON whatever their content type; `code` picks PathRuleError."""
     text = resp.text
     message = f"{method} {url}: HTTP {resp.status_code}: {text[:2000]}"
+    if resp.status_code == 401 and not token_sent:
+        message += (
+            f"; no control token was found for this server: pass CapturePool(..., "
+            f"control_token=...) or set {CONTROL_TOKEN_ENV}"
+        )
     try:
         body = json.loads(text)
     except ValueError:

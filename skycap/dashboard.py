@@ -1,8 +1,8 @@
 """The live dashboard behind `skycap top`: polls capture servers and draws rich tables.
 
-It reads only `GET /healthz` and `GET /trajectories` (D-7), so it works against any
-skycap server and never imports mitmproxy. Rates come from the cumulative counters of two
-consecutive polls.
+It reads only `GET /healthz` and `GET /trajectories` (D-7), with the control token, so it
+works against any skycap server and never imports mitmproxy. Rates come from the
+cumulative counters of two consecutive polls.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+
+from skycap.control_token import find_control_token
 
 SORT_KEYS = {
     "a": ("age", lambda t: t.get("age_s") or 0.0),
@@ -61,9 +63,12 @@ class ServerState:
 class Poller:
     """Polls every server once per `poll()`; a server that fails is shown as down."""
 
-    def __init__(self, urls: list[str], *, timeout: float = 2.0) -> None:
+    def __init__(
+        self, urls: list[str], *, timeout: float = 2.0, control_token: str | None = None
+    ) -> None:
         self.servers = [ServerState(url.rstrip("/")) for url in urls]
         self._client = httpx.Client(timeout=timeout, trust_env=False)
+        self.control_token = control_token
 
     def poll(self) -> None:
         for server in self.servers:
@@ -76,7 +81,10 @@ class Poller:
             server.update(health, listing)
 
     def _get_json(self, url: str) -> Any:
-        response = self._client.get(url)
+        """GET with the control token: the one given, else the one found for that server."""
+        token = self.control_token or find_control_token(url)
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        response = self._client.get(url, headers=headers)
         response.raise_for_status()
         return response.json()
 
@@ -86,7 +94,10 @@ class Poller:
 
 def _describe(exc: Exception) -> str:
     if isinstance(exc, httpx.HTTPStatusError):
-        return f"HTTP {exc.response.status_code}"
+        status = exc.response.status_code
+        if status in (401, 403):
+            return f"HTTP {status}: control token refused or missing (--control-token-env NAME)"
+        return f"HTTP {status}"
     if isinstance(exc, httpx.TimeoutException):
         return "timed out"
     if isinstance(exc, httpx.ConnectError):

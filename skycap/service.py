@@ -13,8 +13,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
+
+import skycap.control_token as credential
+
+if TYPE_CHECKING:
+    from skycap.client import CapturePool
 
 logger = logging.getLogger("skycap.service")
 
@@ -89,8 +94,12 @@ class CaptureService:
 
         def on_ready(bound: str) -> None:
             port = urlsplit(bound).port
+            assert port is not None
+            self.server.publish_token(port, default=False)  # only to a file it was given
             self.url = _format_url(self.options.advertise_host, port)
             self.harness_url = self.url
+            if self.control_token is not None:
+                credential.register(self.url, self.control_token)
             ready.set()
 
         assert self._loop is not None and self._stop_event is not None
@@ -108,6 +117,8 @@ class CaptureService:
             self._error = exc
             logger.debug("capture server stopped with an error", exc_info=True)
         finally:
+            if self.url is not None:
+                credential.unregister(self.url)
             self._loop.close()
             ready.set()
             self._release_slot()
@@ -116,6 +127,23 @@ class CaptureService:
         with CaptureService._running_lock:
             if CaptureService._running is self:
                 CaptureService._running = None
+
+    @property
+    def control_token(self) -> str | None:
+        """The token control routes require (D-30), kept in memory; None when turned off.
+
+        A `CapturePool([service.url])` in this process finds it by URL; `pool()` hands over
+        a pool that already holds it.
+        """
+        return self.options.control_token
+
+    def pool(self, **kwargs: Any) -> CapturePool:
+        """A CapturePool over this server that sends its control token (keywords go to it)."""
+        if self.url is None:
+            raise RuntimeError("this CaptureService is not running: call start() first")
+        from skycap.client import CapturePool
+
+        return CapturePool([self.url], control_token=self.control_token, **kwargs)
 
     @property
     def proxy_url(self) -> str | None:

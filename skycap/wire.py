@@ -1,4 +1,11 @@
-"""Strict JSON request-body parsing and the control-route error body, shared by every route."""
+"""Strict JSON request-body parsing and the control-route error body, shared by every route.
+
+Every body skycap parses goes through `parse_json_body`, which refuses what could not be
+stored faithfully: invalid UTF-8, lone surrogates, integers beyond 64 bits (D-2) and
+nesting deeper than `MAX_DEPTH` (D-45: orjson reads 1,024 levels but writes only 254, so a
+deeper value would be accepted and then never written). `check_depth` applies the same
+limit to a value that did not come from a body.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,12 @@ _DIGIT_MASK = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
 _LONG_DIGIT_RUN = b"0" * 19
 
 
+#: The deepest nesting of arrays and objects accepted anywhere (D-45); the body is level 1.
+MAX_DEPTH = 128
+# Below this size a body with at most MAX_DEPTH brackets needs no walk (a C-speed count).
+_COUNT_ONLY = 1 << 16
+
+
 class BodyError(ValueError):
     """A request body skycap refuses; `str(error)` is the one-line message sent back and
     `param`, when known, the request field at fault (OpenAI-shaped errors carry it)."""
@@ -33,7 +46,7 @@ class _BigInteger(Exception):
 
 
 def parse_json_body(raw: bytes, *, allow_empty: bool = False) -> Any:
-    """Parse a request body strictly, so a body is never stored in a lossy form (D-2).
+    """Parse a request body strictly, so a body is never stored in a lossy form (D-2, D-45).
 
     With `allow_empty`, an empty or all-whitespace body returns None (control routes treat
     it as `{}`); otherwise it is an error like any other non-JSON body.
@@ -46,7 +59,37 @@ def parse_json_body(raw: bytes, *, allow_empty: bool = False) -> Any:
         raise BodyError(_decode_problem(raw, exc)) from None
     if _LONG_DIGIT_RUN in raw.translate(_DIGIT_MASK):
         _reject_big_integers(raw)
+    if len(raw) > _COUNT_ONLY or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        check_depth(value)
     return value
+
+
+def check_depth(value: Any, what: str = "the request body", limit: int = MAX_DEPTH) -> None:
+    """Raise BodyError when `value` nests arrays and objects deeper than `limit` levels.
+
+    A dialect that builds values of its own (or reads them from elsewhere than a body)
+    calls this; bodies read with `parse_json_body` are already checked.
+    """
+    if type(value) in (dict, list) and not _within(value, limit):
+        raise BodyError(depth_message(what, limit))
+
+
+def depth_message(what: str = "the request body", limit: int = MAX_DEPTH) -> str:
+    return (
+        f"{what} nests arrays and objects deeper than {limit} levels, the limit skycap "
+        "accepts: flatten it, or send deep data as a JSON string"
+    )
+
+
+def _within(container: dict[str, Any] | list[Any], left: int) -> bool:
+    """Whether `container` (one level) and what it holds fit in `left` levels."""
+    if left <= 0:
+        return False
+    for child in container.values() if type(container) is dict else container:
+        kind = type(child)
+        if (kind is dict or kind is list) and not _within(child, left - 1):
+            return False
+    return True
 
 
 def _decode_problem(raw: bytes, exc: orjson.JSONDecodeError) -> str:
@@ -68,6 +111,8 @@ def _decode_problem(raw: bytes, exc: orjson.JSONDecodeError) -> str:
         )
     if exc.msg.startswith("number is infinity"):
         _reject_big_integers(raw)
+    if exc.msg.startswith(("depth limit exceeded", "Recursion limit reached")):
+        return depth_message()
     return f"{NOT_JSON}: {detail}"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers started by tests (and their subprocesses) write control-token files under the
+# config dir: never the user's own.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="skycap-test-config-")
+os.environ.pop("SKYCAP_CONTROL_TOKEN", None)
 
 
 def _qwen3_dir() -> Path:

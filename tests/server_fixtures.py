@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from skycap import CaptureService
+from skycap.control_token import find_control_token
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.options import ServerOptions
 
@@ -82,11 +83,17 @@ def make_server(upstream: ScriptedUpstream) -> Iterator[Callable[..., ServerThre
 
 
 class Control:
-    """A tiny control-plane client (the trainer side) over httpx, returning parsed JSON."""
+    """A tiny control-plane client (the trainer side) over httpx, returning parsed JSON.
 
-    def __init__(self, url: str) -> None:
+    It sends the control token it is given, else the one a client finds for `url` (the
+    embedded server's, by its URL), as CapturePool does.
+    """
+
+    def __init__(self, url: str, token: str | None = None) -> None:
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=20)
+        token = token or find_control_token(url)
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        self.http = httpx.Client(base_url=url, timeout=20, headers=headers)
 
     def create(self, meta: dict[str, Any] | None = None) -> dict[str, Any]:
         response = self.http.post("/trajectories", json={"meta": meta or {}})
@@ -107,6 +114,11 @@ class Control:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The `Authorization` header that carries a control token (none when it is off)."""
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 @pytest.fixture
@@ -161,14 +173,16 @@ def harness_env(created: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def run_harness(created: dict[str, Any], script: str = HARNESS) -> dict[str, Any]:
+def run_harness(
+    created: dict[str, Any], script: str = HARNESS, timeout: float = 60
+) -> dict[str, Any]:
     """Run `script` in a subprocess configured only by the create's `env`; its JSON output."""
     done = subprocess.run(
         [sys.executable, "-c", script],
         env=harness_env(created),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -27,6 +27,7 @@ LAYERS = [
         "skycap.dashboard",
         "skycap.viewer",
         "skycap.certs",
+        "skycap.control_token",
         "skycap.demo",
     ),
     ("skycap.cli",),

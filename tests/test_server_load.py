@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import orjson
 import pytest
 from server_fixtures import upstream
 
+from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.record.reader import read_document
 
@@ -46,6 +48,10 @@ class ServeProcess:
         match = URL_LINE.search(self.first_line)
         assert match, f"no start line from skycap serve: {self.first_line!r}"
         self.url = match.group(1)
+        token_line = self.process.stderr.readline()
+        path = re.search(r"control token in (\S+) ", token_line)
+        assert path, f"no control token line from skycap serve: {token_line!r}"
+        self.token = Path(path.group(1)).read_text().strip()
 
     def terminate(self, timeout: float = 30) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)
@@ -91,9 +97,10 @@ async def run_trajectory(client: httpx.AsyncClient, url: str, index: int) -> str
     return created["id"]
 
 
-async def load(url: str) -> list[str]:
+async def load(url: str, token: str) -> list[str]:
     limits = httpx.Limits(max_connections=TRAJECTORIES + 8, max_keepalive_connections=TRAJECTORIES)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {token}"}  # harness calls send their own key
+    async with httpx.AsyncClient(timeout=60, limits=limits, headers=headers) as client:
         return await asyncio.gather(*(run_trajectory(client, url, i) for i in range(TRAJECTORIES)))
 
 
@@ -102,7 +109,7 @@ def test_64_concurrent_trajectories_then_sigterm(
 ) -> None:
     # The start line shows at the default log level, as news rather than a warning.
     assert serve.first_line.startswith("skycap text mode listening on http://127.0.0.1:")
-    ids = asyncio.run(load(serve.url))
+    ids = asyncio.run(load(serve.url, serve.token))
     assert len(set(ids)) == TRAJECTORIES
     code, stderr = serve.terminate()
     assert code == 0 and "Traceback" not in stderr
@@ -183,7 +190,12 @@ def test_the_mitmdump_script(upstream: ScriptedUpstream, tmp_path: Path) -> None
         else:
             pytest.fail("mitmdump did not start")
         url = f"http://{match.group(1)}"
-        created = httpx.post(f"{url}/trajectories", json={}).json()
+        token_file = default_token_file(int(match.group(1).rsplit(":", 1)[1]))
+        token = token_file.read_text().strip()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        headers = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(f"{url}/trajectories", json={}).status_code == 401
+        created = httpx.post(f"{url}/trajectories", json={}, headers=headers).json()
         assert created["base_url"] == f"{url}/t/{created['id']}/v1"
         reply = httpx.post(
             f"{created['base_url']}/chat/completions",

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_fixtures import ServerThread
+from server_fixtures import ServerThread, bearer
 
 from skycap.client import CapturePool
 from skycap.server.options import ServerOptions
@@ -46,5 +46,7 @@ async def test_finish_reports_a_context_length_refusal(
     with ServerThread(options) as server:
         async with httpx.AsyncClient() as http:
             url = f"{server.url}/trajectories/{refused.id}/finish"
-            answer = await http.post(url, json={"annotations": {"reward": 0}})
+            answer = await http.post(
+                url, json={"annotations": {"reward": 0}}, headers=bearer(server.control_token)
+            )
         assert answer.status_code == 200 and answer.json()["context_length_exceeded"] is False

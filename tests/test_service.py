@@ -190,7 +190,9 @@ def test_stop_writes_open_trajectories_and_a_later_service_finishes_them(tmp_pat
         url = later.start()
         try:
             response = httpx.post(
-                f"{url}/trajectories/{trajectory_id}/finish", json={"annotations": {"reward": 1}}
+                f"{url}/trajectories/{trajectory_id}/finish",
+                json={"annotations": {"reward": 1}},
+                headers={"Authorization": f"Bearer {later.control_token}"},
             )
         finally:
             later.stop()
@@ -287,7 +289,11 @@ def test_a_record_missing_a_listed_sidecar_is_never_rewritten(
     later = CaptureService(engine.url, **options)
     url = later.start()
     try:
-        response = httpx.post(f"{url}/trajectories/{trajectory_id}/finish", json={})
+        response = httpx.post(
+            f"{url}/trajectories/{trajectory_id}/finish",
+            json={},
+            headers={"Authorization": f"Bearer {later.control_token}"},
+        )
     finally:
         later.stop()
     assert response.status_code == 500

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -31,7 +32,10 @@ def server() -> Iterator[tuple[CaptureService, ScriptedUpstream]]:
 def _create(url: str, meta: dict) -> dict:
     import httpx
 
-    return httpx.post(f"{url}/trajectories", json={"meta": meta}).json()
+    from skycap.control_token import find_control_token
+
+    headers = {"Authorization": f"Bearer {find_control_token(url)}"}
+    return httpx.post(f"{url}/trajectories", json={"meta": meta}, headers=headers).json()
 
 
 def _call(created: dict, content: str, temperature: float = 0.5) -> None:
@@ -41,12 +45,17 @@ def _call(created: dict, content: str, temperature: float = 0.5) -> None:
     )
 
 
-def _top(*args: str) -> subprocess.CompletedProcess:
+def _top(url: str, *args: str) -> subprocess.CompletedProcess:
+    """`top --once` in a subprocess, given the in-process server's token the default way."""
+    from skycap.control_token import find_control_token
+
+    env = {**os.environ, "SKYCAP_CONTROL_TOKEN": find_control_token(url) or ""}
     return subprocess.run(
-        [sys.executable, "-m", "skycap.cli.main", "top", "--once", *args],
+        [sys.executable, "-m", "skycap.cli.main", "top", "--once", url, *args],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
 
 
@@ -105,8 +114,8 @@ def test_live_view_updates_and_survives_the_server_going_away(server) -> None:
     service, _ = server
     session = f"skycap-top-{uuid.uuid4().hex[:8]}"
     # pytest exports COLUMNS=80/LINES=24, which would pin the pane's width.
-    command = f"env -u COLUMNS -u LINES {sys.executable} -m skycap.cli.main top --interval 0.2 "
-    command += service.url
+    command = f"env -u COLUMNS -u LINES TOP_TOKEN={service.control_token} {sys.executable} "
+    command += f"-m skycap.cli.main top --control-token-env TOP_TOKEN --interval 0.2 {service.url}"
     subprocess.run(
         ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", command], check=True
     )

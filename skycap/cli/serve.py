@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
     import signal
+    from urllib.parse import urlsplit
 
     from skycap.server.options import from_values
 
@@ -42,9 +43,14 @@ def run(args: argparse.Namespace) -> int:
 
     def ready(url: str) -> None:
         settle_garbage_collector()
+        port = urlsplit(url).port
+        assert port is not None
+        token_file = addon.publish_token(port, default=True)  # OSError: reported below
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        if token_file is not None:
+            lines.append(f"control token in {token_file} (mode 0600)")
         if addon.proxy is not None:
             lines.append(
                 f"HTTPS_PROXY listener on {options.host}:{addon.proxy.port} "
@@ -53,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(lines), file=sys.stderr, flush=True)
         if options.binds_beyond_loopback:
             log.warning(
-                "listening on %s: the control routes are unauthenticated and reachable from "
-                "other machines (D-6)",
+                "listening on %s: other machines can reach the harness routes%s (D-6)",
                 options.host,
+                "" if options.require_api_key else " without a trajectory key (--require-api-key)",
             )
 
     from skycap.server.addon import SkycapAddon

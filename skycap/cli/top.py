@@ -22,6 +22,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print one snapshot and exit (status 1 if any server is down)",
     )
     parser.add_argument(
+        "--control-token-env",
+        metavar="NAME",
+        help="environment variable holding the servers' control token (default: "
+        "SKYCAP_CONTROL_TOKEN, else the file skycap serve wrote for each port on this machine)",
+    )
+    parser.add_argument(
         "--sort",
         default="age",
         choices=["age", "calls", "nodes", "paths", "unbridged", "failures", "latency"],
@@ -61,8 +67,18 @@ def run(args: argparse.Namespace) -> int:
 
     from skycap.dashboard import SORT_KEYS, Poller, render
 
+    token = None
+    if args.control_token_env:
+        token = os.environ.get(args.control_token_env)
+        if not token:
+            print(
+                f"skycap top: --control-token-env {args.control_token_env}: the variable is "
+                "not set or empty",
+                file=sys.stderr,
+            )
+            return 2
     sort = next(k for k, (label, _) in SORT_KEYS.items() if label == args.sort)
-    poller = Poller(args.urls)
+    poller = Poller(args.urls, control_token=token)
     # Scripts read `--once` from a pipe: give them whole rows instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=200)
     try:

@@ -49,6 +49,7 @@ _FINISH_REASONS = {
     "tool_use": "tool_calls",
 }
 SIGNATURE_PREFIX = "skycap-"
+BILLING_PREFIX = "x-anthropic-billing-header:"
 MAX_TOKENS_REQUIRED = "`max_tokens` is required: the Messages API needs it, and token mode uses it"
 STOP_SEQUENCES_REFUSED = (
     "`stop_sequences` is not supported in token mode yet; drop it, or use text mode"
@@ -203,9 +204,19 @@ def assistant_message(blocks: list[dict[str, Any]], where: str = "content") -> d
     return message
 
 
-def _system(content: Any, where: str) -> dict[str, Any]:
+def _billing(block: dict[str, Any]) -> bool:
+    """Claude Code's per-call `x-anthropic-billing-header: …` system block, which the API
+    reads as metadata: its `cch=` value changes on every call, so it is dropped."""
+    text = block.get("text")
+    return block["type"] == "text" and isinstance(text, str) and text.startswith(BILLING_PREFIX)
+
+
+def _system(content: Any, where: str) -> dict[str, Any] | None:
+    """A system message, or None when it held only the billing block."""
     blocks = _blocks(content, where)
-    parts = [_user_part(b, f"{where}[{j}]") for j, b in enumerate(blocks)]
+    parts = [_user_part(b, f"{where}[{j}]") for j, b in enumerate(blocks) if not _billing(b)]
+    if not parts and blocks:
+        return None
     return {"role": "system", "content": canonical.content(parts)}
 
 
@@ -255,7 +266,9 @@ def read_request(body: Any) -> Request:
         raise BodyError(f"`max_tokens` must be a positive integer, got {max_tokens!r}")
     messages: list[dict[str, Any]] = []
     if body.get("system") not in (None, "", []):
-        messages.append(_system(body["system"], "system"))
+        system = _system(body["system"], "system")
+        if system is not None:
+            messages.append(system)
     known: set[str] = set()
     for i, message in enumerate(raw_messages):
         role = message.get("role")
@@ -266,7 +279,9 @@ def read_request(body: Any) -> Request:
             known.update(call["id"] for call in reply.get("tool_calls", ()))
             messages.append(reply)
         elif role == "system":
-            messages.append(_system(message.get("content"), _where(i)))
+            system = _system(message.get("content"), _where(i))
+            if system is not None:
+                messages.append(system)
         else:
             raise BodyError(f"`messages[{i}].role` must be user or assistant, got {role!r}")
     tools, tool_refusal = _tools(body.get("tools"))

@@ -17,11 +17,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from mitmproxy import connection, ctx, exceptions, http
-from mitmproxy.proxy.mode_specs import RegularMode
+from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
+import skycap.control_token as credential
 from skycap.certs import ensure_ca
 from skycap.dialects import Dialect
 from skycap.dialects.chat import DIALECT as CHAT_DIALECT
@@ -29,7 +31,7 @@ from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
 from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
 from skycap.server import options as options_module
 from skycap.server.conns import Connections, listen_address
-from skycap.server.control import Control
+from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
 from skycap.server.drain import (
     CONTROL_PATH,
     HARNESS_PATH,
@@ -208,6 +210,7 @@ class SkycapAddon:
 
     def __init__(self, options: ServerOptions | None = None) -> None:
         self._from_script = options is None
+        self.token_file: Path | None = None
         self.options: ServerOptions | None = None
         self.store: TrajectoryStore | None = None
         self.backend: Any = None
@@ -231,7 +234,7 @@ class SkycapAddon:
         self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
         if options.proxy_port is not None:
             self.proxy = Proxy(self.store, ensure_ca(options.confdir), options.model_api_hosts)
-        self.control = Control(self.store, self.proxy)
+        self.control = Control(self.store, self.proxy, options.control_token)
         self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
         self.harness = Harness(options, self.store, self.text, self.backend)
         self.sink = DrainSink(options.max_body_size)
@@ -267,11 +270,49 @@ class SkycapAddon:
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
         self.store.start()
+        assert self.options is not None
+        try:
+            port = listen_address(proxyserver, ReverseMode)[1]
+        except LookupError:  # the listener failed to bind: whoever started mitmproxy says so
+            return
+        if self.options.no_control_token:
+            logger.warning(
+                "the control token is off (--no-control-token): anyone who can reach port %s, "
+                "a harness included, can create, list, read and finish trajectories",
+                port,
+            )
+        elif self._from_script:
+            path = self.publish_token(port, default=True)
+            logger.warning("skycap: the control token is in %s", path)
+
+    def publish_token(self, port: int, *, default: bool) -> Path | None:
+        """Write the control token to `control_token_file` (or, with `default`, to the default
+        file for `port`); the path written, None when there is no file to write.
+
+        Raises OSError naming the path when it cannot be written.
+        """
+        assert self.options is not None
+        token, path = self.options.control_token, self.options.control_token_file
+        if path is None and default:
+            path = credential.default_token_file(port)
+        if token is None or path is None:
+            return None
+        try:
+            credential.write_token_file(path, token)
+        except OSError as exc:
+            raise OSError(
+                f"cannot write the control token to {path}: {exc.strerror or exc}; pass "
+                "--control-token-file PATH (control_token_file=) with a writable path"
+            ) from None
+        self.token_file = path
+        return path
 
     async def done(self) -> None:
         if self.store is None or self.running_loop is None:
             return
         await self.store.shutdown()
+        if self.token_file is not None and self.options is not None:
+            credential.remove_token_file(self.token_file, self.options.control_token or "")
         if self.backend is not None:
             await self.backend.close()
         await self.sink.close()
@@ -371,8 +412,22 @@ class SkycapAddon:
             path = flow.request.path.partition("?")[0]
             message = f"no route {flow.request.method} {path}"
             harness_error(flow, 404, message, None, dialect_of(flow, kind))
+        elif kind == MISS:
+            path = flow.request.path.partition("?")[0]
+            respond(flow, 404, control_error(f"no route {flow.request.method} {path}"))
         else:
-            answer = await self._control(flow, kind, trajectory_id, raw)
+            verdict = self.control.credential(flow.request.headers.fields)
+            if verdict == ACCEPTED:
+                answer = await self._control(flow, kind, trajectory_id, raw)
+            elif kind == HEALTH and verdict == MISSING:
+                answer = self.control.liveness()
+            else:
+                status, body = self.control.refusal(verdict)
+                if status == 401:
+                    respond(flow, status, body, CHALLENGE)
+                else:
+                    respond(flow, status, body)
+                return
             respond(flow, answer.status, answer.body)
 
     async def _harness(
@@ -402,11 +457,8 @@ class SkycapAddon:
         if kind == FINISH:
             assert trajectory_id is not None
             return await self.control.finish(trajectory_id, raw)
-        if kind == DOCUMENT:
-            assert trajectory_id is not None
-            return await self.control.document(trajectory_id)
-        path = flow.request.path.partition("?")[0]
-        return Answer.error(404, f"no route {flow.request.method} {path}")
+        assert kind == DOCUMENT and trajectory_id is not None
+        return await self.control.document(trajectory_id)
 
     def _origin(self, flow: http.HTTPFlow) -> str:
         """Where the caller reached us: the Host header if mitmproxy kept it (D-9)."""

@@ -1,12 +1,19 @@
-"""The control routes of http.md §2 and D-7: each handler takes the request, returns an Answer."""
+"""The control routes of http.md §2 and D-7: each handler takes the request, returns an Answer.
+
+Every control route needs the control token as `Authorization: Bearer <token>` (D-30); only
+`GET /healthz` answers without one, and then only `{"ok": ...}` (liveness for probes).
+"""
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Iterable
 from typing import Any
 
+from skycap.server.keys import KEY_PREFIX, bearer_key, raw_header
 from skycap.server.proxy import Proxy
 from skycap.server.store import Answer, TrajectoryStore
-from skycap.wire import BodyError, parse_json_body
+from skycap.wire import BodyError, control_error, parse_json_body
 
 
 def _object_body(raw: bytes) -> dict[str, Any]:
@@ -29,12 +36,65 @@ def _object_member(body: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-class Control:
-    """The control routes over one store (they are never keyed, http.md §2)."""
+# The credential a control request presented (D-30).
+ACCEPTED, MISSING, HARNESS_KEY, WRONG = "accepted", "missing", "harness-key", "wrong"
+CHALLENGE = (
+    (b"content-type", b"application/json"),
+    (b"www-authenticate", b'Bearer realm="skycap"'),
+)
+NO_TOKEN = (
+    "control routes need the control token: send `Authorization: Bearer <control token>`; "
+    "skycap serve prints the file that holds it at start, CaptureService has it as "
+    "`service.control_token`"
+)
+WRONG_TOKEN = "the control token sent is not this server's: send the one it printed at start"
+HARNESS_REFUSED = (
+    "a trajectory api_key cannot use control routes; they need the server's control token"
+)
 
-    def __init__(self, store: TrajectoryStore, proxy: Proxy | None = None) -> None:
+
+def _is_harness_key(value: bytes | None) -> bool:
+    return value is not None and value.startswith(KEY_PREFIX.encode("ascii"))
+
+
+class Control:
+    """The control routes over one store, behind the control token when there is one."""
+
+    def __init__(
+        self, store: TrajectoryStore, proxy: Proxy | None = None, token: str | None = None
+    ) -> None:
         self.store = store
         self.proxy = proxy
+        self._token = None if token is None else token.encode("ascii")
+
+    def credential(self, fields: Iterable[tuple[bytes, bytes]]) -> str:
+        """What the request's `Authorization` (or a harness's `x-api-key`) presents.
+
+        A trajectory key, sent either way, is told apart from a wrong token (403, not 401)
+        by its shape alone; the comparison with the token is constant-time.
+        """
+        if self._token is None:
+            return ACCEPTED
+        fields = tuple(fields)
+        header = raw_header(fields, b"authorization")
+        if not header:
+            return HARNESS_KEY if _is_harness_key(raw_header(fields, b"x-api-key")) else MISSING
+        sent = bearer_key(header)
+        if sent is not None and hmac.compare_digest(sent, self._token):
+            return ACCEPTED
+        return HARNESS_KEY if _is_harness_key(sent) else WRONG
+
+    @staticmethod
+    def refusal(verdict: str) -> tuple[int, bytes]:
+        """(status, body) of a refused credential; the 401s carry `CHALLENGE`'s header."""
+        if verdict == HARNESS_KEY:
+            return 403, control_error(HARNESS_REFUSED, "forbidden")
+        message = NO_TOKEN if verdict == MISSING else WRONG_TOKEN
+        return 401, control_error(message, "control_token_required")
+
+    def liveness(self) -> Answer:
+        """`GET /healthz` without a credential: whether the server is up, nothing more."""
+        return Answer.json(200, {"ok": self.store.health()["ok"]})
 
     def health(self) -> Answer:
         health = self.store.health()

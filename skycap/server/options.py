@@ -33,6 +33,9 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--upstream-timeout SECONDS` | `upstream_timeout` (D-11) | `skycap_upstream_timeout` |
 | `--proxy-port PORT` | `proxy_port` (default None: off) | mitmproxy's `--mode regular@PORT` |
 | `--confdir DIR` | `confdir` (the proxy's CA) | mitmproxy's `--set confdir=DIR` |
+| `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
+| `--control-token-file PATH` | `control_token_file` | `skycap_control_token_file` |
+| `--no-control-token` | `no_control_token` | `skycap_no_control_token` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
@@ -57,6 +60,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from skycap.certs import default_confdir
+from skycap.control_token import check_control_token, new_control_token
 from skycap.dialects.chat import REASONING_FIELDS
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
 
@@ -122,6 +126,9 @@ class ServerOptions:
     sweep_interval: float = 60.0
     proxy_port: int | None = None
     confdir: str | Path | None = None
+    control_token: str | None = field(default=None, repr=False)
+    control_token_file: str | Path | None = None
+    no_control_token: bool = False
     rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +137,7 @@ class ServerOptions:
         self._check_numbers()
         self._check_choices()
         self._check_mappings()
+        self._settle_control_token()
         if self.record_dir is not None:
             object.__setattr__(self, "record_dir", _record_dir(self.record_dir))
         if self.confdir is not None or self.proxy_port is not None:
@@ -231,6 +239,29 @@ class ServerOptions:
             )
         object.__setattr__(self, "model_api_hosts", tuple(h.lower() for h in hosts))
 
+    def _settle_control_token(self) -> None:
+        """D-30: the control token is the one given, else generated here, unless turned off."""
+        if self.no_control_token:
+            for key in ("control_token", "control_token_file"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"{_name('no_control_token')} turns the control token off; drop it or "
+                        f"drop {_name(key)}"
+                    )
+            return
+        if self.control_token is None:
+            object.__setattr__(self, "control_token", new_control_token())
+        elif not isinstance(self.control_token, str):
+            raise ValueError(
+                f"{_name('control_token')} must be a string, "
+                f"got {type(self.control_token).__name__}"
+            )
+        else:
+            check_control_token(self.control_token, _name("control_token"))
+        if self.control_token_file is not None:
+            path = Path(self.control_token_file).expanduser().absolute()
+            object.__setattr__(self, "control_token_file", path)
+
     def _check_mappings(self) -> None:
         for key in ("chat_template_kwargs", "sampling_overrides", "path_rules"):
             value = getattr(self, key)
@@ -327,6 +358,17 @@ def _api_key_from_env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
+def _control_token_from_env(name: str) -> str:
+    """`--control-token-env NAME`: the token sits in a variable, never in argv."""
+    token = os.environ.get(name)
+    if not token:
+        raise ValueError(
+            f"--control-token-env {name}: the variable {name} is not set or empty; export the "
+            "token in it, or drop the flag to have a token generated"
+        )
+    return check_control_token(token, f"--control-token-env {name}")
+
+
 def _path_rules(specs: list[str]) -> dict[str, str]:
     rules: dict[str, str] = {}
     for spec in specs:
@@ -383,8 +425,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--host",
         "host",
-        "bind address (default 127.0.0.1; binding wider exposes the unauthenticated control "
-        "routes)",
+        "bind address (default 127.0.0.1; binding wider lets other machines reach the "
+        "harness routes and ask the control routes for the control token)",
         default="127.0.0.1",
         addon=False,
     ),
@@ -528,6 +570,27 @@ FLAGS: tuple[Flag, ...] = (
         "~/.config/skycap)",
         metavar="DIR",
         addon=False,
+    ),
+    Flag(
+        "--control-token-env",
+        "control_token",
+        "environment variable holding the control token that control routes require "
+        "(default: a new token at each start)",
+        convert=_control_token_from_env,
+        metavar="NAME",
+    ),
+    Flag(
+        "--control-token-file",
+        "control_token_file",
+        "file the control token is written to, mode 0600 (default <confdir>/control-token-<port>)",
+        metavar="PATH",
+    ),
+    Flag(
+        "--no-control-token",
+        "no_control_token",
+        "serve the control routes without a credential: any harness can then list, create "
+        "and finish trajectories (a warning at start)",
+        convert=None,
     ),
 )
 
