@@ -192,7 +192,10 @@ def test_written_reply_reads_back_to_the_stored_message() -> None:
     body = orjson.loads(DIALECT.reply_json(reply_for(STORED)))
     assert STORED["reasoning_items"][0]["id"] == body["output"][0]["id"]
     assert [item["type"] for item in body["output"]] == ["reasoning", "message", "function_call"]
-    assert body["output"][2]["call_id"] == "call_abc"
+    call_id = STORED["tool_calls"][0]["id"]
+    assert call_id != "call_abc" and call_id.startswith("call_")  # issued fresh
+    assert body["output"][2]["call_id"] == call_id
+    assert DIALECT.issue(PARSED, [1, 2, 3])["tool_calls"][0]["id"] != call_id
     assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
     # A client that drops the reasoning text but keeps encrypted_content (as OpenAI's own
     # reasoning items are replayed) still reads back the exact reasoning.
