@@ -80,25 +80,6 @@ class CodexRun:
         return min(c["t_start"] for c in self.calls) - failures[-1]
 
 
-def codex_home(home: Path, base_url: str | None, compact: bool) -> Path:
-    """Write a hermetic CODEX_HOME; with `base_url`, a provider pointing at it."""
-    config = home / ".codex"
-    config.mkdir(parents=True, exist_ok=True)
-    lines = [f'model = "{MODEL}"']
-    if base_url is not None:
-        lines += [
-            'model_provider = "skycap"',
-            "[model_providers.skycap]",
-            'name = "skycap"',
-            f'base_url = "{base_url}"',
-            'env_key = "OPENAI_API_KEY"',
-            'wire_api = "responses"',
-            "supports_websockets = false",
-        ]
-    (config / "config.toml").write_text("\n".join(lines) + "\n")
-    return config
-
-
 def run_codex(
     binary: str,
     *,
@@ -107,17 +88,19 @@ def run_codex(
     env: dict[str, str] | None,
     workdir: Path,
     compact: bool,
+    config: tuple[str, ...] = (),
     timeout: float = 180.0,
 ) -> subprocess.CompletedProcess[str]:
     """`codex exec` on TASK, hermetic (D-48); `env` (the create's) is added to its environment."""
     home = workdir / "home"
-    config = codex_home(home, base_url, compact)
+    codex_dir = home / ".codex"  # --ignore-user-config: no config.toml is read from it
+    codex_dir.mkdir(parents=True, exist_ok=True)
     environ = {
         key: value
         for key, value in os.environ.items()
         if not key.lower().endswith("_proxy") and not key.startswith(("OPENAI_", "CODEX_"))
     }
-    environ |= {"HOME": str(home), "CODEX_HOME": str(config), "OPENAI_API_KEY": api_key}
+    environ |= {"HOME": str(home), "CODEX_HOME": str(codex_dir), "OPENAI_API_KEY": api_key}
     environ |= env or {}
     command = [
         binary,
@@ -129,7 +112,6 @@ def run_codex(
         'web_search="disabled"',
     ]
     if base_url is not None:
-        # --ignore-user-config skips config.toml, so the provider is given as flags too.
         command += [
             "-c",
             'model_provider="skycap"',
@@ -140,6 +122,8 @@ def run_codex(
     command += ["-c", f'model="{MODEL}"']
     if compact:
         command += ["-c", f"model_auto_compact_token_limit={COMPACT_LIMIT}"]
+    for setting in config:
+        command += ["-c", setting]
     command.append(TASK)
     return subprocess.run(
         command,
@@ -204,7 +188,12 @@ def engine_script(tokenizer: Any) -> Any:
 
 
 async def capture(
-    service_url: str, binary: str, provider: str, compact: bool, workdir: Path
+    service_url: str,
+    binary: str,
+    provider: str,
+    compact: bool,
+    workdir: Path,
+    config: tuple[str, ...] = (),
 ) -> CodexRun:
     """Create a trajectory, run Codex in it, finish it; the run and what was captured."""
     from skycap import CapturePool
@@ -220,6 +209,7 @@ async def capture(
             env=trajectory.env if provider == "default" else None,
             workdir=workdir,
             compact=compact,
+            config=config,
         )
         seconds = time.monotonic() - started
         document = await trajectory.document()
@@ -272,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--provider", choices=("base-url", "default"), default="base-url")
     parser.add_argument("--compact", action="store_true", help="make Codex compact mid-task")
     parser.add_argument("--codex", default=None, help="the codex binary (default: .ci/npm or PATH)")
+    parser.add_argument(
+        "-c", dest="config", action="append", default=[], help="a Codex `-c KEY=VALUE` setting"
+    )
     args = parser.parse_args(argv)
     binary = args.codex or codex_binary()
     if binary is None:
@@ -283,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         service, _model, stop_model = serve(args.mode, args.provider, args.compact, workdir / "rec")
         url = service.start()
         try:
-            run = asyncio.run(capture(url, binary, args.provider, args.compact, workdir))
+            run = asyncio.run(
+                capture(url, binary, args.provider, args.compact, workdir, tuple(args.config))
+            )
         finally:
             service.stop()
             stop_model()

@@ -134,6 +134,7 @@ def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
         ({"input": 3}, "input", "string or a list of items"),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call'"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'tool'"),
+        ({"input": [{"type": "compaction_trigger"}]}, "input[0].type", "remote compaction"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "conversations"),
         ({"input": "x", "previous_response_id": 7}, "previous_response_id", "response id"),
         ({"input": "x", "stream": "yes"}, "stream", "boolean"),

@@ -26,6 +26,8 @@ from skycap.wire import BodyError, json_type
 #: The item types this dialect reads; anything else is refused with a 400 naming it.
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 ROLES = ("user", "system", "developer", "assistant")
+#: Codex's remote compaction items (a request for one, and the opaque result it replays).
+COMPACTION_TYPES = ("compaction_trigger", "compaction")
 #: Token mode's `encrypted_content`: this prefix, then base64url of a small JSON object
 #: holding the reasoning text and the digest of the completion it came from (D-35).
 REASONING_TOKEN_PREFIX = "skycap.r1."
@@ -196,6 +198,15 @@ def read_items(items: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise RequestError(f"{where} must be an object, got {json_type(item)}", where)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind in COMPACTION_TYPES:
+            raise RequestError(
+                f"{where} is a {kind} item: remote compaction (Codex's default OpenAI "
+                "provider) is not captured by skycap, its result being an opaque item no one "
+                "could train on; give Codex a model provider whose base_url is the "
+                "trajectory's (it then compacts with ordinary calls), or raise "
+                "model_auto_compact_token_limit",
+                f"{where}.type",
+            )
         if kind not in ITEM_TYPES:
             raise RequestError(
                 f"{where} has item type {kind!r}, which skycap does not read; supported: "
