@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,6 +12,8 @@ import openai
 import pytest
 from server_fixtures import Control, ServerThread
 
+from skycap.cli.main import main as skycap_main
+from skycap.loader import load
 from skycap.mock.engine import Reply, ScriptedEngine, scripted_logprob
 from skycap.server.options import ServerOptions
 
@@ -65,8 +68,15 @@ def engine(qwen3_tokenizer: Any, script: Script) -> Iterator[ScriptedEngine]:
 
 
 @pytest.fixture(scope="module")
-def server(engine: ScriptedEngine, qwen3_renderer: Any) -> Iterator[ServerThread]:
-    options = ServerOptions(engine.url, mode="tokens", renderer=qwen3_renderer, model="policy")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("responses-records")
+
+
+@pytest.fixture(scope="module")
+def server(engine: ScriptedEngine, qwen3_renderer: Any, records: Path) -> Iterator[ServerThread]:
+    options = ServerOptions(
+        engine.url, mode="tokens", renderer=qwen3_renderer, model="policy", record_dir=records
+    )
     thread = ServerThread(options)
     thread.start()
     yield thread
@@ -121,9 +131,8 @@ def check_exact(
     assert sum(sample["loss_mask"]) == sum(len(c) for c in completions)
 
 
-def test_tool_round_trip_with_full_input_is_one_bridged_path(
-    control: Control, engine: ScriptedEngine, script: Script
-) -> None:
+def round_trip(control: Control, engine: ScriptedEngine, script: Script) -> str:
+    """A tool round trip with the full input each call; the trajectory's id, finished."""
     trajectory = control.create()
     client = sdk(trajectory)
     first = client.responses.create(model="policy", input=QUESTION, tools=TOOLS, store=False)
@@ -145,6 +154,27 @@ def test_tool_round_trip_with_full_input_is_one_bridged_path(
     assert finished["unbridged_calls"] == 0
     (sample,) = finished["samples"]
     check_exact(sample, engine, trajectory["id"], script)
+    return trajectory["id"]
+
+
+def test_tool_round_trip_with_full_input_is_one_bridged_path(
+    control: Control, engine: ScriptedEngine, script: Script
+) -> None:
+    round_trip(control, engine, script)
+
+
+def test_records_of_responses_calls_load_check_and_validate(
+    control: Control, engine: ScriptedEngine, script: Script, records: Path, capsys: Any
+) -> None:
+    trajectory_id = round_trip(control, engine, script)
+    loaded = load(str(records), trajectory_id)
+    calls = [call for node in loaded.trajectory.graph for call in node.calls]
+    assert [c["dialect"] for c in calls] == ["responses", "responses"]
+    assert len(loaded.samples()) == 1
+    assert skycap_main(["check", str(records), trajectory_id]) == 0
+    assert skycap_main(["validate", str(records)]) == 0
+    out = capsys.readouterr().out
+    assert f"{trajectory_id}  finished  linear" in out and "0 with problems" in out
 
 
 def test_a_client_that_drops_reasoning_text_stays_on_the_path(control: Control) -> None:
