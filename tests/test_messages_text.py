@@ -316,3 +316,22 @@ def test_upstream_failures_are_recorded_and_answered_in_shape(
     assert errors[2] == "upstream: timed out after 2 s"
     assert errors[3].startswith("unreadable stream: no stop_reason")
     assert document["nodes"] == []
+
+
+async def test_the_pool_hands_out_the_anthropic_base_url(server: ServerThread) -> None:
+    from skycap import CapturePool
+
+    async with CapturePool([server.url]) as pool:
+        trajectory = await pool.create()
+        empty = await pool.create()
+        assert trajectory.anthropic_base_url == trajectory.base_url.removesuffix("/v1")
+        async with anthropic.AsyncAnthropic(
+            base_url=trajectory.anthropic_base_url, api_key=trajectory.api_key, max_retries=0
+        ) as client:
+            await client.messages.create(
+                model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+            )
+        result = await trajectory.finish({"reward": 1})
+        nothing = await empty.finish({"reward": 0})
+    assert (result.calls, result.warnings, len(result.samples)) == (1, [], 1)
+    assert (nothing.calls, nothing.warnings) == (0, ["no model call was captured"])

@@ -14,7 +14,7 @@ export const FLAG_HELP = {
   "unbridged-inferred": "a re-tokenized copy of a model reply precedes a model call (old record)",
   replayed: "a client-written assistant message is on a path (not sampled by the model)",
   "no-train": "token mode: some path trains zero tokens",
-  empty: "no nodes: no successful model call",
+  empty: "no model call captured",
   truncated: "some call stopped at max tokens (finish_reason length)",
   abandoned: "ended by the idle TTL, not by finish",
   forked: "more than one root-to-leaf path",
