@@ -52,8 +52,7 @@ def place(trajectory: Trajectory, request: Request, *, token_mode: bool) -> None
     """
     if token_mode and any(m.get("role") == "developer" for m in request.messages):
         request.messages = [
-            {**m, "role": "system"} if m.get("role") == "developer" else m
-            for m in request.messages
+            {**m, "role": "system"} if m.get("role") == "developer" else m for m in request.messages
         ]
         request.recorded["developer_as_system"] = True
     must_resolve = token_mode
