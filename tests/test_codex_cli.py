@@ -62,7 +62,6 @@ def test_codex_default_provider_through_the_proxy(tmp_path: Path, mode: str) -> 
     # Codex tries wss://api.openai.com/v1/responses first: skycap's 426 makes it fall back
     # to HTTPS after that one attempt (a 404 or 403 would cost five attempts, ~7 s).
     assert len(outcome.websocket_failures) == 1, outcome.stderr[-3000:]
-    assert "Falling back from WebSockets to HTTPS" in outcome.stderr
 
 
 def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> None:
