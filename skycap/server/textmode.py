@@ -221,7 +221,9 @@ class TextCall:
     def _fail(self, status: int | None, error: str) -> None:
         self.mode.store.note_failure(self.live, status, error)
 
-    def _commit(self, reply: dict[str, Any], finish_reason: Any, usage: Any) -> bool:
+    def _commit(
+        self, reply: dict[str, Any], finish_reason: Any, usage: Any, reply_id: Any = None
+    ) -> bool:
         call = {
             "t_start": self.t_start,
             "t_end": time.time(),
@@ -230,7 +232,11 @@ class TextCall:
             "usage": usage if isinstance(usage, dict) else None,
             "finish_reason": finish_reason if isinstance(finish_reason, str) else None,
             "dialect": self.dialect.name,
+            **self.request.recorded,
         }
+        key = self.dialect.reply_id_key
+        if key is not None and isinstance(reply_id, str):
+            call[key] = reply_id  # the upstream's id, which later calls may name (D-40)
         try:
             node = commit_text_call(self.live.trajectory, self.request, reply, call)
         except Exception as exc:  # a reply that cannot be hashed is a failure, not a crash
@@ -254,12 +260,13 @@ class TextCall:
             self._end()
             return
         try:
-            message, finish_reason, usage = self.dialect.reply_message(_read_reply(response))
+            parsed = _read_reply(response)
+            message, finish_reason, usage = self.dialect.reply_message(parsed)
         except ValueError as problem:
             self._fail(None, f"unreadable reply: {problem}")
             self._end()
             return
-        committed = self._commit(message, finish_reason, usage)
+        committed = self._commit(message, finish_reason, usage, parsed.get("id"))
         replay = None
         if committed:
             replay = Replay.of(status, response.headers.fields, response.raw_content or b"")
@@ -310,7 +317,8 @@ class TextCall:
         except StreamError as exc:
             self._fail(None, str(exc))
         else:
-            self._commit(message, finish_reason, self.assembler.usage)
+            reply_id = getattr(self.assembler, "reply_id", None)
+            self._commit(message, finish_reason, self.assembler.usage, reply_id)
         self._end()
         held, self.held = self.held, []
         return held

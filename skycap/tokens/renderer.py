@@ -203,6 +203,11 @@ class LibraryRenderer:
             )
         self._think_end = _single_token_id(self._tokenizer, "</think>")
 
+    @property
+    def think_end_id(self) -> int | None:
+        """The `</think>` token's id, when the tokenizer has it as one token."""
+        return self._think_end
+
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> Rendered:
         """Full render with the generation prompt."""
         _reject_media(messages)
