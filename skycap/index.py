@@ -444,7 +444,9 @@ class RecordIndex:
 
     def _write_mirror(self, phase: str, step: int, data: bytes) -> None:
         fs, root = self._store
-        fs.pipe_file(f"{root}/{step_path(phase, step)}", data)
+        path = f"{root}/{step_path(phase, step)}"
+        fs.makedirs(path.rpartition("/")[0], exist_ok=True)  # a no-op on object stores
+        fs.pipe_file(path, data)
 
     def _log_version(
         self,

@@ -470,3 +470,64 @@ def test_a_bug_in_the_index_code_raises_into_the_caller(monkeypatch: pytest.Monk
     with pytest.raises(ValueError, match="phase must be letters"):
         RecordIndex(run, phases=("train/x",))
     assert index.close() == [] and run.calls == []
+
+
+# -- skycap view reads the index ----------------------------------------------------------------
+
+
+def indexed_rows(url: str, run: str) -> dict[str, Any]:
+    import httpx
+
+    response = httpx.get(f"{url.rstrip('/')}/api/v1/runs/{run}/trajectories", timeout=10)
+    assert response.status_code == 200, response.text
+    return {row["id"]: row["indexed"] for row in response.json()["rows"]}
+
+
+def test_the_viewer_shows_trained_and_superseded_from_the_index(tmp_path: Path) -> None:
+    import shutil
+
+    from test_viewer_fixtures import grpo_id, write_grpo
+
+    from skycap.record.remote import MirrorCache
+    from skycap.viewer.server import make_server
+
+    records = tmp_path / "grpo"
+    records.mkdir()
+    write_grpo(records)
+    mirror = tmp_path / "mirror"
+    shutil.copytree(records, mirror)
+    log = RecordLog()
+    retried, counting = grpo_id(2, "a", 0, 0), grpo_id(2, "a", 0, 1)
+    untrained = grpo_id(2, "a", 1, 0)
+    attempt(log, retried, step=2, instance="a", superseded=True)
+    attempt(log, counting, step=2, instance="a", number=1)
+    attempt(log, untrained, step=2, instance="a", repetition=1)
+    with RecordIndex("grpo-run", record_dir=records, mirror=f"file://{mirror}") as index:
+        index.log_step(2, "train", {retried, counting}, log)
+
+    cache = MirrorCache(f"file://{mirror}", cache_dir=tmp_path / "cache")
+    server = make_server([records], port=0, mirrors=[cache])
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for run in ("grpo", "mirror"):  # the local directory, and the mirror through its cache
+            rows = indexed_rows(server.url, run)
+            where = {"phase": "train", "step": 2}
+            assert rows[retried] == {**where, "trained": False, "superseded": True}
+            assert rows[counting] == {**where, "trained": True, "superseded": False}
+            assert rows[untrained] == {**where, "trained": False, "superseded": False}
+            assert rows[grpo_id(1, "a", 0, 0)] is None  # step 1 has no index: nothing shown
+        # A step indexed later shows at the next rescan.
+        log = RecordLog()
+        attempt(log, grpo_id(1, "a", 0, 0), step=1, instance="a")
+        with RecordIndex("grpo-run", record_dir=records) as index:
+            index.log_step(1, "train", None, log)
+        wait_for(
+            lambda: indexed_rows(server.url, "grpo")[grpo_id(1, "a", 0, 0)] is not None,
+            20.0,
+            "the new index file to show",
+        )
+        assert indexed_rows(server.url, "grpo")[grpo_id(1, "a", 0, 0)]["trained"] is None
+    finally:
+        server.shutdown()
+        server.server_close()
