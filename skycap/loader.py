@@ -8,7 +8,12 @@ from typing import Any
 
 from skycap.arrays import csr_to_rows
 from skycap.client import Sample
-from skycap.record.reader import record_document, trajectory_from_document
+from skycap.record.reader import (
+    RecordError,
+    document_path,
+    record_document,
+    trajectory_from_document,
+)
 from skycap.record.remote import MirrorCache, is_url
 from skycap.record.remote import storage_options as env_storage_options
 from skycap.samples import (
@@ -49,9 +54,12 @@ def to_client_sample(sample: BuiltSample) -> Sample:
 class LoadedRecord:
     """A record read back: its trajectory (sidecars included), its document, and its samples."""
 
-    def __init__(self, trajectory: Trajectory, document: dict[str, Any]) -> None:
+    def __init__(
+        self, trajectory: Trajectory, document: dict[str, Any], source: Path | None = None
+    ) -> None:
         self.trajectory = trajectory
         self.document = document
+        self.source = source
 
     @property
     def id(self) -> str:
@@ -67,7 +75,11 @@ class LoadedRecord:
         graph = self.trajectory.graph
         recorded = self.trajectory.samples
         if isinstance(recorded, dict) and recorded.get("paths") == paths:
-            rows = rows_from_samples_field(graph, recorded)
+            try:
+                rows = rows_from_samples_field(graph, recorded)
+            except ValueError as exc:  # a hostile or damaged record (issue 17)
+                where = self.source or self.id
+                raise RecordError(f"{where}: {exc}") from None
         elif paths in BUILTIN_RULES:
             rows = rows_for_finish(graph, paths, {})
         elif ":" in paths:
@@ -96,4 +108,5 @@ def load(
         record_dir = MirrorCache(str(record_dir), options).fetch_record(id)
     record_dir = Path(record_dir)
     document = record_document(record_dir, id)
-    return LoadedRecord(trajectory_from_document(record_dir, document), document)
+    source = document_path(record_dir, id)
+    return LoadedRecord(trajectory_from_document(record_dir, document), document, source)

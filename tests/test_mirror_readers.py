@@ -106,8 +106,8 @@ def test_check_validate_and_summary_answer_as_on_the_local_directory(
     code, out = run_cli(capsys, "check", local)
     assert (code, out) == run_cli(capsys, "check", url)
     assert code == 1 and "of 3 trajectories linear" in out
-    code, out = run_cli(capsys, "validate", "--sidecars", local)
-    mirrored = run_cli(capsys, "validate", "--sidecars", url)
+    code, out = run_cli(capsys, "validate", local)
+    mirrored = run_cli(capsys, "validate", url)
     assert code == 0 and mirrored == (0, out.replace(local, url))
     code, out = run_cli(capsys, "summary", "--json", local)
     mirrored_code, mirrored_out = run_cli(capsys, "summary", "--json", url)

@@ -36,6 +36,7 @@ from skycap.viewer.groups import (
 from skycap.viewer.index import MIRROR_INTERVAL, Index, Run
 from skycap.viewer.validate import (
     DOCUMENT_SUFFIX,
+    TOKEN_ARRAYS,
     document_problems,
     listed_files,
     read_document,
@@ -213,6 +214,10 @@ class Viewer:
             )
         except (RecordError, ValueError, KeyError) as exc:
             arrays = f"tokens sidecar unreadable: {exc}"
+        if isinstance(arrays, dict):
+            absent = [name for name in TOKEN_ARRAYS if name not in arrays]
+            if absent:  # a hostile or damaged manifest (issue 17): say so, never a 500
+                arrays = f"tokens sidecar unreadable: its manifest lists no {absent[0]} array"
         if arrays is None:
             arrays = derive.TEXT_ONLY_WARNING
         with self._lock:
@@ -450,6 +455,9 @@ class Handler(BaseHTTPRequestHandler):
                 return HTTPStatus.OK, _json(answer(match, params))
             except ApiError as exc:
                 return exc.status, _json({"error": str(exc)})
+            except orjson.JSONEncodeError as exc:  # e.g. a message nested past 254 levels
+                error = f"record error: {path} cannot be shown as JSON: {exc}"
+                return HTTPStatus.UNPROCESSABLE_ENTITY, _json({"error": error})
             except Exception as exc:  # one bad record must not take the page down
                 error = f"internal error on {path}: {type(exc).__name__}: {exc}"
                 logger.error("skycap view: %s", error)
