@@ -18,7 +18,6 @@ See docs/index.md.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -29,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from skycap.record.mirror import join_url, open_store, redact
 from skycap.rollout.log import RecordLog
@@ -406,8 +407,8 @@ class RecordIndex:
                 "step": step,
                 "rows": rows,
             }
-            data = json.dumps(document, ensure_ascii=False, allow_nan=False).encode()
-            references = _references(rows)
+            data = orjson.dumps(document)  # TypeError for what JSON cannot hold
+            references = _references(rows) if self.run is not None else []
             log.discard(phase, step)
             self._indexed.add((phase, step))
             self.counters["steps"] += 1

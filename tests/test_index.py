@@ -453,7 +453,7 @@ def test_a_bug_in_the_index_code_raises_into_the_caller(monkeypatch: pytest.Monk
     index = RecordIndex(run, config=FAST)
     log = RecordLog()
     attempt(log, "tr_x", annotations={"reward": {1, 2}})  # not JSON: the caller's problem
-    with pytest.raises(TypeError, match="not JSON serializable"):
+    with pytest.raises(TypeError, match="not JSON serializable: set"):
         index.log_step(1, "train", None, log)
 
     def broken(rows: list[dict[str, Any]]) -> Any:

@@ -73,10 +73,13 @@ def _location_json(location: RecordLocation | None) -> dict[str, Any] | None:
     if location is None:
         return None
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(location):
-        value = getattr(location, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
+    for name in _LOCATION_FIELDS:
+        value = getattr(location, name)
+        out[name] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+_LOCATION_FIELDS = tuple(f.name for f in dataclasses.fields(RecordLocation))
 
 
 class RecordLog:
