@@ -50,8 +50,16 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., An
         run.finish()
 
 
-def run_dir(run: Any) -> Path:
-    return Path(run.dir).parent
+def written_artifacts(run: Any, count: int) -> list[dict[str, Any]]:
+    """The artifact records of a finished offline run's `.wandb` file, once `count` are
+    there (wandb-core may still be writing the file when finish returns on a loaded
+    machine)."""
+    folder = Path(run.dir).parent
+    return wait_for(
+        lambda: (found := logged_artifacts(folder)) and len(found) >= count and found,
+        30.0,
+        f"{count} artifact records in {folder}",
+    )
 
 
 def capture_artifacts(run: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, list[str]]]:
@@ -210,7 +218,7 @@ def test_each_step_is_one_version_with_a_reference_per_mirrored_file(
                 assert fetched == (records / entry_name.removeprefix("records/")).read_bytes()
 
     run.finish()
-    written = logged_artifacts(run_dir(run))
+    written = written_artifacts(run, len(handed))
     assert [(a["name"], a["type"], a["aliases"]) for a in written] == [
         (artifact_name("train", run.id), "skycap-records", sorted(aliases)) for _, aliases in handed
     ]
@@ -291,7 +299,7 @@ def test_eval_goes_to_its_own_artifact_when_enabled_and_local_records_stay_in_st
     assert json.loads((tmp_path / "index" / "eval" / "step-5.json").read_bytes()) == document
     assert document["rows"][1]["record"]["mirror_state"] == "failed"
     run.finish()
-    assert [a["aliases"] for a in logged_artifacts(run_dir(run))] == [
+    assert [a["aliases"] for a in written_artifacts(run, 2)] == [
         ["eval-step-5", "latest"],
         ["latest", "train-step-5"],
     ]

@@ -30,6 +30,8 @@ def _records(path: Path) -> Iterator[bytes]:
         if kind == 0 and length == 0:  # zero padding to the end of the block
             pos += left
             continue
+        if pos + HEADER + length > len(data):  # a record still being written
+            return
         chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
