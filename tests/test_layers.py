@@ -31,6 +31,7 @@ LAYERS = [
         "skycap.demo",
         "skycap.rollout",
         "skycap.compose",
+        "skycap.index",
     ),
     ("skycap.cli",),
 ]
@@ -94,7 +95,7 @@ def test_no_import_cycles() -> None:
 def test_client_side_and_records_never_load_mitmproxy() -> None:
     code = (
         "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard.view\n"
-        "import skycap.rollout, skycap.compose\n"
+        "import skycap.rollout, skycap.compose, skycap.index\n"
         "from skycap import CapturePool, Sample, load\n"
         "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"
     )

@@ -76,6 +76,23 @@ const ROLLOUT_COLUMNS = [
   ["Created", "created"],
 ];
 
+// What the run index (index/<phase>/step-N.json) says of a rollout: trained or not, and
+// superseded when the grouping did not already say so.
+function indexMark(indexed, shownSuperseded) {
+  if (!indexed) return null;
+  const where = `${indexed.phase} step ${indexed.step}`;
+  const marks = [];
+  if (indexed.trained === true) {
+    marks.push(el("span", { class: "idx trained", title: `trained in ${where}` }, "trained"));
+  } else if (indexed.trained === false) {
+    marks.push(el("span", { class: "idx untrained", title: `not trained (${where})` }, "not trained"));
+  }
+  if (indexed.superseded && !shownSuperseded) {
+    marks.push(el("span", { class: "idx superseded", title: `superseded in ${where}` }, "superseded"));
+  }
+  return marks.length ? el("span", { class: "idx-marks" }, marks) : null;
+}
+
 function rolloutRow(row, range, onOpen, { inGroup = false, metaKeys = [] } = {}) {
   const problems = row.problems
     ? el("span", { class: "problem-mark", title: `${row.problems} record problem(s)` }, "⚠")
@@ -86,7 +103,7 @@ function rolloutRow(row, range, onOpen, { inGroup = false, metaKeys = [] } = {})
   const cells = [
     el("td", { class: "id" }, superseded, el("a", {
       href: "#", onclick: (e) => { e.preventDefault(); onOpen(row.id); },
-    }, row.id), problems),
+    }, row.id), problems, indexMark(row.indexed, !!row.superseded_by)),
     el("td", {}, strips(row)),
     el("td", { class: "num" }, fmtInt(row.tokens)),
     el("td", { class: "num" }, fmtInt(row.trainable)),
