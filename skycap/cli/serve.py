@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from skycap.server.options import ServerOptions
 
 HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -18,6 +22,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default="warning",
         help="log level (default warning; info adds one access line per harness call)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N server processes, one event loop each, on ports --port..--port+N-1 "
+        "(proxy ports likewise) with one control token (default 1)",
     )
     parser.set_defaults(serve_parser=parser)
 
@@ -40,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
+    if args.workers != 1:
+        return _supervise(args, options, parser)
 
     def ready(url: str) -> None:
         settle_garbage_collector()
@@ -95,3 +109,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _supervise(
+    args: argparse.Namespace, options: ServerOptions, parser: argparse.ArgumentParser
+) -> int:
+    """`--workers N`: check the flags once here, then run N ordinary servers."""
+    from skycap.cli.workers import supervise
+
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give a number of servers >= 1")
+    if options.port == 0 or options.proxy_port == 0:
+        parser.error("--workers needs fixed ports: give --port (and --proxy-port) other than 0")
+    argv: list[str] = args.argv
+    return supervise(
+        argv[argv.index("serve") + 1 :],
+        workers=args.workers,
+        host=options.host,
+        port=options.port,
+        proxy_port=options.proxy_port,
+        control_token_given=args.control_token_env is not None,
+        control_token_off=bool(args.no_control_token),
+    )
