@@ -29,6 +29,7 @@ LAYERS = [
         "skycap.certs",
         "skycap.control_token",
         "skycap.demo",
+        "skycap.ray",
     ),
     ("skycap.cli",),
 ]

@@ -121,6 +121,17 @@ def _supervise(
         parser.error(f"--workers {args.workers}: give a number of servers >= 1")
     if options.port == 0 or options.proxy_port == 0:
         parser.error("--workers needs fixed ports: give --port (and --proxy-port) other than 0")
+    n, ports = args.workers, range(options.port, options.port + args.workers)
+    if ports[-1] > 65535 or (options.proxy_port or 0) + n - 1 > 65535:
+        parser.error(f"--workers {n}: the ports run past 65535; give a lower --port/--proxy-port")
+    if options.proxy_port is not None and set(ports) & set(
+        range(options.proxy_port, options.proxy_port + n)
+    ):
+        parser.error(
+            f"--workers {n} uses ports {ports[0]}..{ports[-1]} and proxy ports "
+            f"{options.proxy_port}..{options.proxy_port + n - 1}, which overlap; move "
+            "--proxy-port out of that range"
+        )
     argv: list[str] = args.argv
     return supervise(
         argv[argv.index("serve") + 1 :],

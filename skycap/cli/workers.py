@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import httpx
 
 from skycap.control_token import new_control_token
+from skycap.server.control import WORKER_PORTS_VARIABLE
 
 #: The variable through which the supervisor hands its one control token to every worker.
 TOKEN_VARIABLE = "SKYCAP_WORKERS_CONTROL_TOKEN"
-#: The variable listing every worker's URL, so each can tell `skycap top` about its siblings.
-URLS_VARIABLE = "SKYCAP_WORKER_URLS"
 START_TIMEOUT = 120.0
 #: A worker's exit status when records could not be written (D-44).
 RECORDS_LOST = 3
@@ -87,7 +86,7 @@ def supervise(
     if token_from_env:
         env[TOKEN_VARIABLE] = new_control_token()
     urls = [_url(host, port + i) for i in range(workers)]
-    env[URLS_VARIABLE] = ",".join(urls)
+    env[WORKER_PORTS_VARIABLE] = ",".join(str(port + i) for i in range(workers))
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -158,7 +157,7 @@ def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:
 def _announce(pool: list[Worker]) -> None:
     urls = " ".join(w.url for w in pool)
     print(
-        f"skycap: {len(pool)} workers serving: {urls}\nwatch them all: skycap top {urls}",
+        f"skycap: {len(pool)} workers serving: {urls}\nwatch them all: skycap top {pool[0].url}",
         file=sys.stderr,
         flush=True,
     )
