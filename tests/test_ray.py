@@ -47,18 +47,26 @@ def ray_cluster() -> Iterator[Any]:
     patience = {"raylet_start_wait_time_s": 180, "agent_register_timeout_ms": 180_000}
     for name, value in patience.items():
         os.environ.setdefault(f"RAY_{name}", str(value))
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "_system_config": patience,
-            **agent_ports(),
-        },
-    )
-    cluster.add_node(num_cpus=1, **agent_ports())
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+    cluster = None
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "_system_config": patience,
+                **agent_ports(),
+            },
+        )
+        cluster.add_node(num_cpus=1, **agent_ports())
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+    except Exception as exc:
+        if cluster is not None:
+            cluster.shutdown()
+        if os.environ.get("CI") == "true":
+            raise  # D-47: under CI a Ray that cannot start fails the run
+        pytest.skip(f"a local Ray cluster could not start on this machine: {exc}")
     yield cluster
     ray.shutdown()
     cluster.shutdown()
