@@ -186,10 +186,12 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def openai_error(status: int, message: str, code: str | None = None) -> bytes:
-    """The harness-route error body of http.md §1 (SDKs read `error.message` and `code`)."""
+def openai_error(
+    status: int, message: str, code: str | None = None, *, param: str | None = None
+) -> bytes:
+    """The harness-route error body of http.md §1 (SDKs read `error.message`, `code`, `param`)."""
     kind = "api_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def control_error(message: str, code: str | None = None) -> bytes:

@@ -160,7 +160,10 @@ def test_a_killed_worker_is_reported_and_the_other_serves(
     supervisor, urls = start(upstream, tmp_path)
     try:
         pool = CapturePool(urls)
-        held = asyncio.run(asyncio.gather(*(rollout(pool, i, finish=False) for i in range(2))))
+        async def hold() -> list[tuple[str, str]]:
+            return await asyncio.gather(*(rollout(pool, i, finish=False) for i in range(2)))
+
+        held = asyncio.run(hold())
         assert {server for server, _ in held} == set(urls)
         victim = supervisor.workers()[1]
         os.kill(victim, signal.SIGKILL)
@@ -179,3 +182,12 @@ def test_a_killed_worker_is_reported_and_the_other_serves(
     assert status == 1, "a dead worker fails the supervisor's exit status"
     kept = [i for server, i in held if server == urls[0]]
     assert set(kept) <= {f.removesuffix(".json.zst") for f in record_files(tmp_path)}
+    assert f"{lost[0]}.json.zst" not in record_files(tmp_path)
+    # The next start replays the dead worker's crash journal once, in the supervisor.
+    again, _ = start(upstream, tmp_path)
+    try:
+        again.wait_line("1 trajectories recovered from crash journals")
+    finally:
+        assert again.stop() == 0
+    recovered = load(tmp_path, lost[0])
+    assert recovered.document["ended"] is False and len(recovered.document["nodes"]) == 4

@@ -17,11 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from skycap.control_token import new_control_token
+from skycap.record.journal import replay_journals
 from skycap.server.control import WORKER_PORTS_VARIABLE
+from skycap.server.store import JOURNALS_REPLAYED_VARIABLE
 
 #: The variable through which the supervisor hands its one control token to every worker.
 TOKEN_VARIABLE = "SKYCAP_WORKERS_CONTROL_TOKEN"
@@ -78,6 +81,7 @@ def supervise(
     proxy_port: int | None,
     control_token_given: bool,
     control_token_off: bool,
+    record_dir: Path | None,
 ) -> int:
     """Run `workers` servers until SIGINT/SIGTERM; 0, or 3 if a worker lost records, else 1."""
     serve_argv = strip_workers(argv)
@@ -85,6 +89,9 @@ def supervise(
     token_from_env = not (control_token_given or control_token_off)
     if token_from_env:
         env[TOKEN_VARIABLE] = new_control_token()
+    if record_dir is not None:
+        _replay(record_dir)
+        env[JOURNALS_REPLAYED_VARIABLE] = "1"
     urls = [_url(host, port + i) for i in range(workers)]
     env[WORKER_PORTS_VARIABLE] = ",".join(str(port + i) for i in range(workers))
     stopping = False
@@ -115,6 +122,31 @@ def supervise(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _replay(record_dir: Path) -> None:
+    """Replay the crash journals once, here, so no two workers replay the same one (D-44)."""
+    replayed = replay_journals(record_dir)
+    if replayed.written:
+        print(
+            f"skycap serve: {len(replayed.written)} trajectories recovered from crash journals "
+            f"in {record_dir} (records written with ended: false)",
+            file=sys.stderr,
+            flush=True,
+        )
+    for trajectory_id, why in replayed.unreadable.items():
+        print(
+            f"skycap serve: the journal of {trajectory_id} cannot be replayed: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
+    for trajectory in replayed.unwritten:
+        print(
+            f"skycap serve: the journal of {trajectory.id} could not be written to a record; "
+            "it is kept for the next start",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:

@@ -16,7 +16,10 @@ messages (D-24):
 Inside a tunnel, chat-completions and model-list calls are captured by the addon exactly
 like `/t/{id}/v1` calls; everything else passes through unchanged (streamed both ways,
 never buffered) and is counted per host. Passing through needs an open trajectory, so an
-ended trajectory's id, which is no secret, never turns skycap into an open relay.
+ended trajectory's id, which is no secret, never turns skycap into an open relay; and it
+never reaches loopback or link-local addresses unless `--proxy-allow` says so (D-43,
+`destinations`). A tunnel that carries something other than HTTP (raw TCP) obeys the
+same two rules.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import hmac
 from typing import Any
 from urllib.parse import urlsplit
 
-from mitmproxy import http
+from mitmproxy import http, tcp
 from mitmproxy.proxy.mode_specs import RegularMode
 
 from skycap.certs import CertAuthority
+from skycap.server.destinations import Destinations
 from skycap.server.keys import basic_credentials, raw_header
 from skycap.server.store import Live, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
@@ -69,15 +73,19 @@ def _credentials(flow: http.HTTPFlow) -> bytes | None:
 class Proxy:
     """Credentials, tunnels and pass-through counts for the proxy listener (one per server)."""
 
-    def __init__(self, store: TrajectoryStore, ca: CertAuthority) -> None:
+    def __init__(
+        self, store: TrajectoryStore, ca: CertAuthority, destinations: Destinations
+    ) -> None:
         self.store = store
         self.ca = ca
+        self.destinations = destinations
         self.port: int | None = None  # the bound port, known once the listener runs
         self._tunnels: dict[str, str] = {}  # client connection id -> trajectory id
         self.passed_through: collections.Counter[str] = collections.Counter()
+        self.refused: collections.Counter[str] = collections.Counter()
 
     @staticmethod
-    def serves(flow: http.HTTPFlow) -> bool:
+    def serves(flow: http.HTTPFlow | tcp.TCPFlow) -> bool:
         """Whether the flow came in on the proxy listener (not the control/harness one)."""
         return isinstance(flow.client_conn.proxy_mode, RegularMode)
 
@@ -133,10 +141,11 @@ class Proxy:
 
     # -- traffic that is not captured ----------------------------------------------------------
 
-    def pass_through(self, flow: http.HTTPFlow, trajectory_id: str) -> None:
+    async def pass_through(self, flow: http.HTTPFlow, trajectory_id: str) -> None:
         """Stream a request the harness makes beside its model calls, unchanged; count its host.
 
-        An ended trajectory's proxy forwards nothing more: 410 `trajectory_closed`.
+        An ended trajectory's proxy forwards nothing more: 410 `trajectory_closed`; a
+        destination on this machine is 403 `destination_refused` (D-43).
         """
         live = self.store.get(trajectory_id)
         if live is None or not live.trajectory.is_open:
@@ -144,9 +153,31 @@ class Proxy:
                 410, openai_error(410, CLOSED_PASS, "trajectory_closed"), {"content-type": _JSON}
             )
             return
+        refusal = await self.destinations.refusal(flow.request.host, flow.request.port)
+        if refusal is not None:
+            self.refused[flow.request.host] += 1
+            flow.response = http.Response.make(
+                403, openai_error(403, refusal, "destination_refused"), {"content-type": _JSON}
+            )
+            return
         live.touch()
         self.passed_through[flow.request.host] += 1
         flow.request.stream = True
+
+    async def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        """A tunnel that is not HTTP: relayed only for an open trajectory to an allowed host."""
+        trajectory_id = self._tunnels.get(flow.client_conn.id)
+        live = self.store.get(trajectory_id) if trajectory_id is not None else None
+        host, port = flow.server_conn.address or ("", 0)
+        if live is None or not live.trajectory.is_open:
+            flow.kill()
+            return
+        if await self.destinations.refusal(host, port) is not None:
+            self.refused[host] += 1
+            flow.kill()
+            return
+        live.touch()
+        self.passed_through[host] += 1
 
     # -- what the control routes report --------------------------------------------------------
 
@@ -169,4 +200,5 @@ class Proxy:
             "port": self.port,
             "ca_bundle": str(self.ca.bundle),
             "passed_through": dict(self.passed_through),
+            "refused": dict(self.refused),
         }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +44,9 @@ _DROPPED = frozenset(
     }
 )
 _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
+#: Set on a flow whose harness asked for `Connection: close`: its answer says so and the
+#: connection closes after it (the header itself is hop-by-hop and not forwarded).
+CLOSE_AFTER = "skycap.close_after"
 _EVENT_STREAM = "text/event-stream"
 
 
@@ -83,6 +87,10 @@ class TextMode:
             dropped, added = _DROPPED, self._added
         else:
             dropped, added = _DROPPED_KEEP_HOST, self._auth
+        if any(
+            k.lower() == b"connection" and b"close" in v.lower() for k, v in data.headers.fields
+        ):
+            flow.metadata[CLOSE_AFTER] = True
         kept = tuple(f for f in data.headers.fields if f[0].lower() not in dropped)
         body = data.content
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
@@ -103,11 +111,17 @@ class TextMode:
 
 
 class TextCall:
-    """One forwarded chat call: its timing, its stream tap and its outcome (exactly once)."""
+    """One forwarded chat call: its timing, its stream tap and its outcome (exactly once).
+
+    The flow holds the call (its metadata, its response's stream tap); the call holds the
+    flow only weakly, so no reference cycle keeps a large request alive after the call
+    until the garbage collector runs. Once the call is over it drops the parsed body too
+    (a cancelled timer may keep the call itself alive until its deadline).
+    """
 
     __slots__ = (
         "mode",
-        "flow",
+        "_flow",
         "live",
         "body",
         "entry",
@@ -127,7 +141,7 @@ class TextCall:
         self, mode: TextMode, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
     ) -> None:
         self.mode = mode
-        self.flow = flow
+        self._flow = weakref.ref(flow)
         self.live = live
         self.body = body
         self.entry = entry
@@ -161,7 +175,9 @@ class TextCall:
             self.timer = self.loop.call_at(self.deadline, self._check_timeout)
             return
         self.timed_out = True
-        self.mode.conns.abort_upstream(self.flow)
+        flow = self._flow()
+        if flow is not None:
+            self.mode.conns.abort_upstream(flow)
 
     # -- outcome -----------------------------------------------------------------------------
 
@@ -173,12 +189,15 @@ class TextCall:
         self.entry.settle(replay)
         self.live.inflight.pop(self, None)
         self.live.touch()
+        self.body = {}
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
         self.cancelled = True
         self._end()
-        self.mode.conns.drop(self.flow)
+        flow = self._flow()
+        if flow is not None:
+            self.mode.conns.drop(flow)
 
     def _fail(self, status: int | None, error: str) -> None:
         self.mode.store.note_failure(self.live, status, error)
@@ -231,6 +250,8 @@ class TextCall:
     # -- streamed replies (http.md §7.3) --------------------------------------------------------
 
     def on_response_headers(self, response: http.Response) -> None:
+        if self.over:
+            return
         self._progress()
         if (
             self.body.get("stream") is True

@@ -28,9 +28,21 @@ from skycap.tokens.engine import (
     VLLMEngine,
     merge_sampling,
 )
+from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
-from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
+from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
 from skycap.tokens.reply import Completion, completion_id, finish_reason, reply_messages
+from skycap.tokens.sampling import (
+    SamplingError,
+    check_mask_constraints,
+    check_overrides,
+    generation_folders,
+    load_generation_config,
+    stop_strings,
+    validate_cache_salt,
+    validate_sampling,
+)
+from skycap.tokens.stops import StopMatch, apply_stop, strip_stop
 from skycap.trajectory import FAILED, Trajectory
 from skycap.wire import openai_error, recorded_sampling
 
@@ -63,8 +75,12 @@ OPTION_NAMES = (
     "sampling_mask",
     "logprobs_mode",
     "use_raw_content",
+    "keep_special_tokens",
+    "generation_config",
     "upstream_timeout",
 )
+#: The flag a vLLM server needs for sampling masks (config/model.py `return_sampling_mask`).
+MASK_FLAG = "--return-sampling-mask"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +130,8 @@ class TokenBackend:
         sampling_mask: bool = False,
         logprobs_mode: str = "processed_logprobs",
         use_raw_content: bool = False,
+        keep_special_tokens: bool = False,
+        generation_config: str | None = None,
         upstream_timeout: float | None = None,
     ) -> None:
         if not upstream_url:
@@ -127,14 +145,19 @@ class TokenBackend:
         self.upstream_url = upstream_url.rstrip("/")
         self.api_key = api_key
         self.engine = engine or VLLMEngine()
-        self.model = model or None
+        self.served = ServedModel(model or None)
         self.max_model_len = max_model_len
         self.sampling_overrides = dict(sampling_overrides or {})
         self.sampling_mask = sampling_mask
         self.logprobs_mode = logprobs_mode
         self.use_raw_content = use_raw_content
+        self.keep_special_tokens = keep_special_tokens
         self.upstream_timeout = upstream_timeout
-        self._pool = _renderer_pool(
+        check_overrides(self.sampling_overrides, sampling_mask)
+        self.generation_defaults, self.generation_source = load_generation_config(
+            generation_config, generation_folders(tokenizer)
+        )
+        self._pool = renderer_pool(
             tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
         )
         self._stop_token_ids = list(self._pool.primary.stop_token_ids)
@@ -160,6 +183,19 @@ class TokenBackend:
             "use_raw_content": self.use_raw_content,
         }
 
+    @property
+    def model(self) -> str | None:
+        """The served model name (`--model`, or learned from the engine), once known."""
+        return self.served.name
+
+    async def start(self) -> None:
+        """Learn the served model name from the engine's `/v1/models` (D-41), briefly.
+
+        Retries with backoff for a few seconds here; if the engine is not up yet, keeps
+        retrying in the background, and the first call asks again.
+        """
+        await self.served.start(self._list_models)
+
     # -- a harness call -------------------------------------------------------------------
 
     async def chat(self, trajectory: Trajectory, body: dict[str, Any]) -> Reply:
@@ -178,68 +214,129 @@ class TokenBackend:
     ) -> Reply:
         t_start = time.time()
         tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
-        model = self.model or model_key(body.get("model"))
+        served = await self.served.on_call(self._list_models)
+        model = served or model_key(body.get("model"))
         plan = await self._plan(trajectory, body["messages"], tools, model, state.last_turn)
         room = self._check_limits(trajectory, body, len(plan.prompt_ids))
-        sampling, request = self._engine_request(body, plan, room, model)
+        sampling, request = self._engine_request(body, plan, room, served)
         output = await self._generate(trajectory, request, plan.routes_from)
-        stored, answered = await self._reply_messages(trajectory, plan, output, tools)
-        reason = finish_reason(output.finish_reason, stored)
+        self._check_mask(trajectory, output)
+        stop = await self._apply_stop(output, sampling, plan)
+        stored, answered = await self._reply_messages(trajectory, plan, output, tools, stop)
+        reason = "stop" if stop else finish_reason(output.finish_reason, stored)
+        if reason == "tool_calls" and _names_a_tool(body.get("tool_choice")):
+            reason = "stop"  # OpenAI and vLLM answer a forced named tool with "stop"
         requested = body.get("model") if isinstance(body.get("model"), str) else None
         call = {
             "t_start": t_start,
             "t_end": time.time(),
-            "model": self.model or requested,
+            "model": served or requested,
             "sampling": {k: v for k, v in sampling.items() if k != "stop_token_ids"},
             "usage": {
                 "prompt_tokens": len(plan.prompt_ids),
                 "completion_tokens": len(output.completion_ids),
             },
             "finish_reason": reason,
+            **_call_extras(body, output, stop),
         }
         status = self._commit(trajectory, plan, output, stored, call, tools, model, state)
         return self._answer(body, plan, output, answered, reason, status)
 
+    def _check_mask(self, trajectory: Trajectory, output: EngineOutput) -> None:
+        """With `--sampling-mask`, a reply without masks means the engine lacks the flag."""
+        if self.sampling_mask and output.sampling_mask is None:
+            problem = (
+                "engine: sampling masks were asked for (--sampling-mask) but the engine "
+                f"returned none; start vLLM (0.33 or later) with {MASK_FLAG}, or drop "
+                "--sampling-mask"
+            )
+            trajectory.add_failure(None, problem)
+            raise _TurnFailed(_error(502, problem))
+
+    async def _apply_stop(
+        self, output: EngineOutput, sampling: Mapping[str, Any], plan: Plan
+    ) -> StopMatch | None:
+        """Cut the completion at the first stop string (D-41), in place; the match or None."""
+        stops = stop_strings(sampling)
+        if not stops:
+            return None
+        min_tokens = sampling.get("min_tokens") or 0
+        return await self._pool.run(
+            lambda r: apply_stop(
+                r,
+                output,
+                stops,
+                plan.prompt_ids,
+                min_tokens=min_tokens,
+                skip_special_tokens=not self.keep_special_tokens,
+            )
+        )
+
     def _engine_request(
-        self, body: dict[str, Any], plan: Plan, room: int | None, model: str
+        self, body: dict[str, Any], plan: Plan, room: int | None, model: str | None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(merged sampling, engine request body) (http.md §9.3-9.4); bad values answer 400."""
+        """(effective sampling, engine request body) (http.md §9.3-9.4).
+
+        The model's generation defaults fill what the caller left out, then the overrides
+        win (D-41). What vLLM would refuse answers 400 naming the field.
+        """
+        caller = recorded_sampling(body)
+        if "max_completion_tokens" in caller:
+            caller["max_tokens"] = caller.pop("max_completion_tokens")
         try:
+            validate_cache_salt(body.get("cache_salt"))
             sampling = merge_sampling(
-                recorded_sampling(body),
+                {**self.generation_defaults, **caller},
                 self.sampling_overrides,
                 room=room,
                 stop_token_ids=self._stop_token_ids,
             )
+            validate_sampling(sampling)
+            if self.sampling_mask:
+                check_mask_constraints(sampling, "this request")
             request = self.engine.request(
                 prompt_ids=plan.prompt_ids,
                 sampling=sampling,
-                model=model or None,
-                cache_salt=body.get("cache_salt") or None,
+                model=model,
+                cache_salt=body.get("cache_salt"),
                 sampling_mask=self.sampling_mask,
                 routes_from=plan.routes_from,
             )
+        except SamplingError as exc:
+            raise _TurnFailed(_error(400, str(exc), param=exc.param)) from exc
         except ValueError as exc:
             raise _TurnFailed(_error(400, str(exc))) from exc
         return sampling, request
 
     async def _reply_messages(
-        self, trajectory: Trajectory, plan: Plan, output: EngineOutput, tools: list[Any] | None
+        self,
+        trajectory: Trajectory,
+        plan: Plan,
+        output: EngineOutput,
+        tools: list[Any] | None,
+        stop: StopMatch | None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(stored, answered) reply messages; a completion the renderer cannot read is a 502."""
+        """(stored, answered) reply messages; a completion the renderer cannot read is a 502.
+
+        After a stop string both are the message without it (what the harness will echo).
+        """
         try:
-            return await self._pool.run(
+            stored, answered = await self._pool.run(
                 lambda r: reply_messages(
                     r,
                     output.completion_ids,
                     tools,
                     plan.prompt_ids,
                     use_raw_content=self.use_raw_content,
+                    skip_special_tokens=not self.keep_special_tokens,
                 )
             )
         except RenderError as exc:
             trajectory.add_failure(None, f"engine: {exc}")
             raise _TurnFailed(_error(502, f"engine: {exc}")) from exc
+        if stop is None:
+            return stored, answered
+        return strip_stop(stored, stop), strip_stop(answered, stop)
 
     async def _plan(
         self,
@@ -378,7 +475,9 @@ class TokenBackend:
         headers = {"x-skycap-status": status}
         if body.get("stream") is True:
             headers |= {"content-type": "text/event-stream", "cache-control": "no-cache"}
-            payload = completion.sse()
+            options = body.get("stream_options")
+            include_usage = isinstance(options, dict) and options.get("include_usage") is True
+            payload = completion.sse(include_usage=include_usage)
         else:
             headers["content-type"] = "application/json"
             payload = completion.json()
@@ -402,6 +501,13 @@ class TokenBackend:
         content_type = response.headers.get("content-type", "application/json")
         return Reply(response.status_code, {"content-type": content_type}, response.content)
 
+    async def _list_models(self) -> tuple[int, bytes]:
+        """GET the engine's `/v1/models`: (status, body); transport failures raise httpx errors."""
+        response = await self._http().get(
+            self.upstream_url + "/v1/models", headers=self._auth(), timeout=CONNECT_TIMEOUT
+        )
+        return response.status_code, response.content
+
     async def release(self, trajectory_id: str) -> None:
         """Drop the trajectory's turn state and release the engine's (best effort, http.md §11)."""
         self._states.pop(trajectory_id, None)
@@ -423,6 +529,7 @@ class TokenBackend:
 
     async def close(self) -> None:
         """Close the HTTP client and stop the renderer threads (off the event loop)."""
+        await self.served.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -510,35 +617,32 @@ def _too_long(trajectory: Trajectory, message: str) -> _TurnFailed:
     return _TurnFailed(_error(400, message, CONTEXT_LENGTH_EXCEEDED))
 
 
-def _error(status: int, message: str, code: str | None = None) -> Reply:
-    return Reply(status, {"content-type": "application/json"}, openai_error(status, message, code))
-
-
-def _renderer_pool(
-    tokenizer: str | None,
-    renderer: Renderer | None,
-    renderer_name: str | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-    size: int,
-) -> RendererPool:
-    """The default library renderer pool, or a ready renderer in a one-slot pool."""
-    if isinstance(renderer, str):
-        raise ValueError(
-            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
-            "name as renderer_name= (--renderer)"
-        )
-    if (tokenizer is None) == (renderer is None):
-        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
-    if renderer is not None:
-        if renderer_name is not None or chat_template_kwargs is not None:
-            raise ValueError(
-                "renderer_name and chat_template_kwargs configure the default renderer; "
-                "they cannot be combined with a ready renderer="
-            )
-        return RendererPool(lambda: renderer, 1)
-    return RendererPool(
-        lambda: LibraryRenderer(
-            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
-        ),
-        size,
+def _error(
+    status: int, message: str, code: str | None = None, *, param: str | None = None
+) -> Reply:
+    return Reply(
+        status,
+        {"content-type": "application/json"},
+        openai_error(status, message, code, param=param),
     )
+
+
+def _names_a_tool(tool_choice: Any) -> bool:
+    return isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)
+
+
+def _call_extras(
+    body: Mapping[str, Any], output: EngineOutput, stop: StopMatch | None
+) -> dict[str, Any]:
+    """The call fields recorded only when they apply (D-41)."""
+    extras: dict[str, Any] = {}
+    if stop is not None:
+        extras["stop_string"] = stop.stop
+    missing = output.missing_logprobs
+    if missing:
+        extras["missing_logprobs"] = missing
+    if output.engine_finish_reason is not None:
+        extras["engine_finish_reason"] = output.engine_finish_reason
+    if body.get("tool_choice") is not None:
+        extras["tool_choice"] = body["tool_choice"]  # recorded, not enforced (D-41)
+    return extras

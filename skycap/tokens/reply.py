@@ -19,6 +19,7 @@ def reply_messages(
     prompt_ids: Sequence[int],
     *,
     use_raw_content: bool,
+    skip_special_tokens: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(message stored on the model node, message answered to the harness).
 
@@ -29,7 +30,9 @@ def reply_messages(
     if use_raw_content:
         stored = {
             "role": "assistant",
-            "content": raw_content(renderer, completion_ids, prompt_ids),
+            "content": raw_content(
+                renderer, completion_ids, prompt_ids, skip_special_tokens=skip_special_tokens
+            ),
         }
         return stored, {**stored, "reasoning_content": None}
     message = parse_reply(renderer, completion_ids, tools, prompt_ids)
@@ -71,8 +74,12 @@ class Completion:
             {**self._head("chat.completion"), "choices": [choice], "usage": self._usage()}
         )
 
-    def sse(self) -> bytes:
-        """The whole synthesised stream as one buffered body (http.md §9.7)."""
+    def sse(self, *, include_usage: bool = False) -> bytes:
+        """The whole synthesised stream as one buffered body (http.md §9.7).
+
+        Usage comes as a last `choices: []` chunk, only when the request asked for it with
+        `stream_options.include_usage` (as OpenAI and vLLM send it).
+        """
         head = self._head("chat.completion.chunk")
 
         def frame(delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
@@ -87,7 +94,10 @@ class Completion:
             frames.append(frame({"content": message["content"]}))
         for index, call in enumerate(message.get("tool_calls") or ()):
             frames.append(frame({"tool_calls": [{"index": index, **call}]}))
-        frames.append(frame({}, self.finish_reason, usage=self._usage()))
+        frames.append(frame({}, self.finish_reason))
+        if include_usage:
+            usage = {**head, "choices": [], "usage": self._usage()}
+            frames.append(b"data: " + orjson.dumps(usage) + b"\n\n")
         frames.append(b"data: [DONE]\n\n")
         return b"".join(frames)
 
