@@ -99,6 +99,7 @@ def test_spread_text_rollouts_then_a_dead_actor_is_reported_and_replaced(
             cpus_per_server=0.5,
             upstream_url=upstream.base_url,
             record_dir=tmp_path,
+            record_mirror=(tmp_path / "mirror").as_uri(),
         )
         try:
             assert len({s.node_id for s in servers.servers}) == 2, "SPREAD: one per node"
@@ -136,6 +137,8 @@ def test_spread_text_rollouts_then_a_dead_actor_is_reported_and_replaced(
         finally:
             assert servers.stop()
         assert f"{survivor.id}.json.zst" in record_files(tmp_path)
+        # stop() drained the mirror: every record is copied there too.
+        assert record_files(tmp_path / "mirror") == record_files(tmp_path)
         for url in urls:  # nothing listens any more
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"{url}/healthz", timeout=5)
