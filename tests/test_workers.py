@@ -160,6 +160,7 @@ def test_a_killed_worker_is_reported_and_the_other_serves(
     supervisor, urls = start(upstream, tmp_path)
     try:
         pool = CapturePool(urls)
+
         async def hold() -> list[tuple[str, str]]:
             return await asyncio.gather(*(rollout(pool, i, finish=False) for i in range(2)))
 
