@@ -1,6 +1,7 @@
 """Text-mode overhead benchmark (D-26): direct, a no-op lean mitmproxy, and skycap, in one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
+        [--api chat,messages]
 
 The mock upstream, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
@@ -9,7 +10,8 @@ rounds (so load from elsewhere on the machine hits every target alike). Proxy CP
 /proc/<pid>/stat (utime + stime) around each measurement. Printed per cell: throughput,
 p50/p99 latency and proxy CPU per call; then skycap's additions over the no-op proxy
 (targets: <= 0.2 ms CPU and <= 0.3 ms p50 per call) and over direct (goal <= 1.0 ms p50,
-never above 1.5 ms).
+never above 1.5 ms). Each API (`--api`: Chat Completions and Anthropic Messages) has its
+own mock upstream and proxies, and its own rows.
 """
 
 from __future__ import annotations
@@ -38,15 +40,18 @@ MESSAGES = [
     {"role": "user", "content": "Go ahead."},
 ]
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+ANTHROPIC_MESSAGES = [m for m in MESSAGES if m["role"] != "system"]
+ANTHROPIC_TOOLS = [{"name": "read_file", "input_schema": {"type": "object"}}]
 
 
 # -- the processes under test ----------------------------------------------------------------
 
 
-def role_upstream() -> None:
+def role_upstream(api: str) -> None:
+    from skycap.mock.anthropic import ScriptedAnthropicUpstream
     from skycap.mock.upstream import ScriptedUpstream
 
-    upstream = ScriptedUpstream()
+    upstream = ScriptedAnthropicUpstream() if api == "messages" else ScriptedUpstream()
     print(upstream.start(), flush=True)
     sys.stdin.read()
     upstream.stop()
@@ -123,6 +128,7 @@ class Child:
 
 @dataclass
 class Cell:
+    api: str
     target: str
     stream: bool
     concurrency: int
@@ -177,9 +183,12 @@ async def drive(
     return time.perf_counter() - began, latencies
 
 
-def chat_urls(target: str, base: str, workers: int) -> list[str]:
+PATHS = {"chat": "chat/completions", "messages": "messages"}
+
+
+def call_urls(api: str, target: str, base: str, workers: int) -> list[str]:
     if target != "skycap":
-        return [f"{base}/v1/chat/completions"] * workers
+        return [f"{base}/v1/{PATHS[api]}"] * workers
     urls = []
     for _ in range(workers):
         created = httpx.post(
@@ -187,11 +196,27 @@ def chat_urls(target: str, base: str, workers: int) -> list[str]:
             json={"meta": {"bench": True}},
             headers={"authorization": f"Bearer {os.environ[CONTROL_TOKEN_ENV]}"},
         ).json()
-        urls.append(f"{created['base_url']}/chat/completions")
+        urls.append(f"{created['base_url']}/{PATHS[api]}")
     return urls
 
 
+def request_body(api: str, stream: bool) -> bytes:
+    if api == "messages":
+        body = {
+            "model": "policy",
+            "max_tokens": 256,
+            "system": MESSAGES[0]["content"],
+            "messages": ANTHROPIC_MESSAGES,
+            "tools": ANTHROPIC_TOOLS,
+            "stream": stream,
+        }
+    else:
+        body = {"model": "policy", "messages": MESSAGES, "tools": TOOLS, "stream": stream}
+    return orjson.dumps(body)
+
+
 def measure(
+    api: str,
     targets: dict[str, tuple[str, Child | None]],
     stream: bool,
     concurrency: int,
@@ -199,17 +224,20 @@ def measure(
     rounds: int,
 ) -> list[Cell]:
     """Every target in turn, `rounds` times, so load that comes and goes hits them alike."""
-    body = orjson.dumps({"model": "policy", "messages": MESSAGES, "tools": TOOLS, "stream": stream})
+    body = request_body(api, stream)
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    if api == "messages":
+        headers |= {"x-api-key": "sk-bench", "anthropic-version": "2023-06-01"}
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     async def run() -> list[Cell]:
         setups = {}
         for name, (base, proxy) in targets.items():
-            urls = chat_urls(name, base, concurrency)
+            urls = call_urls(api, name, base, concurrency)
             clients = [httpx.AsyncClient(limits=limits, timeout=60, headers=headers) for _ in urls]
             await drive(clients, urls, body, stream, max(100, total // 5))  # warm-up
-            setups[name] = (urls, clients, proxy, Cell(name, stream, concurrency, 0, 0.0, [], 0.0))
+            cell = Cell(api, name, stream, concurrency, 0, 0.0, [], 0.0)
+            setups[name] = (urls, clients, proxy, cell)
         for _ in range(rounds):
             for urls, clients, proxy, cell in setups.values():
                 before = proxy.cpu_seconds() if proxy else 0.0
@@ -231,29 +259,29 @@ def measure(
 
 def report(cells: list[Cell]) -> None:
     print(
-        f"{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'cpu ms/call':>13}"
+        f"{'api':<9}{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}"
+        f"{'p99 ms':>9}{'cpu ms/call':>13}"
     )
     for c in cells:
         cpu = "-" if c.cpu_ms is None else f"{c.cpu_ms:.3f}"
         print(
-            f"{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}{c.p50:>9.3f}"
-            f"{c.p99:>9.3f}{cpu:>13}"
+            f"{c.api:<9}{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}"
+            f"{c.p50:>9.3f}{c.p99:>9.3f}{cpu:>13}"
         )
     print()
     print(
-        f"{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
+        f"{'api':<9}{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
         f"{'+p99 vs noop':>13}{'+cpu vs noop':>13}{'rate/noop':>10}{'rate/direct':>12}"
     )
-    index = {(c.target, c.stream, c.concurrency): c for c in cells}
+    index = {(c.api, c.target, c.stream, c.concurrency): c for c in cells}
     for c in cells:
         if c.target != "skycap":
             continue
-        noop = index[("noop", c.stream, c.concurrency)]
-        direct = index[("direct", c.stream, c.concurrency)]
+        noop = index[(c.api, "noop", c.stream, c.concurrency)]
+        direct = index[(c.api, "direct", c.stream, c.concurrency)]
         cpu = c.cpu_ms - noop.cpu_ms if c.cpu_ms is not None and noop.cpu_ms is not None else 0
         print(
-            f"{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
+            f"{c.api:<9}{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
             f"{c.p50 - direct.p50:>15.3f}{c.p99 - noop.p99:>13.3f}{cpu:>13.3f}"
             f"{c.rate / noop.rate:>10.2f}{c.rate / direct.rate:>12.2f}"
         )
@@ -264,31 +292,35 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="requests per cell")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
+    parser.add_argument("--api", default="chat,messages", help="comma-separated: chat, messages")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         if args.role[0] == "upstream":
-            role_upstream()
+            role_upstream(args.role[1])
         else:
             role_proxy(args.role[0], args.role[1])
         return
     levels = [int(c) for c in args.concurrency.split(",")]
     os.environ[CONTROL_TOKEN_ENV] = new_control_token()  # the children inherit it
-    upstream = Child("upstream")
-    noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
-    targets = {
-        "direct": (upstream.url.removesuffix("/v1"), None),
-        "noop": (noop.url, noop),
-        "skycap": (skycap.url, skycap),
-    }
     cells = []
-    try:
-        for stream in (False, True):
-            for concurrency in levels:
-                cells += measure(targets, stream, concurrency, args.requests, args.rounds)
-    finally:
-        for child in (noop, skycap, upstream):
-            child.stop()
+    for api in args.api.split(","):
+        if api not in PATHS:
+            parser.error(f"--api takes chat and/or messages, got {api!r}")
+        upstream = Child("upstream", api)
+        noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
+        targets = {
+            "direct": (upstream.url.removesuffix("/v1"), None),
+            "noop": (noop.url, noop),
+            "skycap": (skycap.url, skycap),
+        }
+        try:
+            for stream in (False, True):
+                for concurrency in levels:
+                    cells += measure(api, targets, stream, concurrency, args.requests, args.rounds)
+        finally:
+            for child in (noop, skycap, upstream):
+                child.stop()
     report(cells)
 
 

@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 import orjson
 
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.hashing import bytes_digest, tools_hash
 from skycap.tokens.backend import TokenBackend
 from skycap.tokens.plan import plan_turn
 from skycap.tokens.renderer import bundled_qwen3_dir
 from skycap.trajectory import Trajectory
-from skycap.wire import check_chat_request, parse_json_body
+from skycap.wire import parse_json_body
 
 LAYERS, TOP_K = 48, 8
 #: GC thresholds recommended for the server process, with gc.freeze() after start-up
@@ -145,9 +146,9 @@ async def grow(backend: FakeEngineBackend, traj: Trajectory, limit: int) -> list
         gc_seconds = GC_CLOCK.seconds
         started, cpu = time.perf_counter(), time.process_time()
         bytes_digest(raw)  # the retry cache key the server computes per call
-        body = check_chat_request(parse_json_body(raw))
+        request = CHAT.read(parse_json_body(raw))
         backend_cpu = time.process_time()
-        reply = await backend.chat(traj, body)
+        reply = await backend.call(traj, request, CHAT)
         engine = backend.engine_cpu - engine_cpu
         wall = time.perf_counter() - started - (backend.engine_seconds - engine_wall)
         backend_cpu = time.process_time() - backend_cpu - engine
@@ -264,7 +265,9 @@ async def bench_bridge(folder: str) -> dict[str, float]:
     ]
     try:
         while len(messages) < RENDER_MESSAGES:
-            reply = await backend.chat(traj, {"model": "p", "messages": messages, "tools": TOOLS})
+            reply = await backend.call(
+                traj, CHAT.read({"model": "p", "messages": messages, "tools": TOOLS}), CHAT
+            )
             message = orjson.loads(reply.body)["choices"][0]["message"]
             content = words(RENDER_RESULT_WORDS, len(messages))
             call_id = message["tool_calls"][0]["id"]
@@ -353,7 +356,7 @@ def main() -> None:
             "",
         ),
         ("per-turn slope, wall ms per 1k history tokens", f"{turns['wall_slope']:.4f}", ""),
-        ("  backend.chat only, CPU ms per 1k", f"{turns['backend_slope']:.4f}", ""),
+        ("  backend.call only, CPU ms per 1k", f"{turns['backend_slope']:.4f}", ""),
         ("  of the CPU slope, Python GC, ms per 1k", f"{turns['gc_slope']:.4f}", ""),
         ("per-turn intercept, CPU ms", f"{turns['cpu_intercept']:.2f}", ""),
         *(

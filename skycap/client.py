@@ -156,6 +156,9 @@ class FinishResult:
     unbridged_calls: int = 0
     record: RecordLocation | None = None
     context_length_exceeded: bool = False
+    #: Committed model calls; 0 means nothing was captured (see `warnings`).
+    calls: int = 0
+    warnings: list[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> FinishResult:
@@ -168,6 +171,8 @@ class FinishResult:
             unbridged_calls=_field(obj, "unbridged_calls", int, optional=True) or 0,
             record=RecordLocation.from_json(_field(obj, "record", dict, optional=True)),
             context_length_exceeded=bool(obj.get("context_length_exceeded", False)),
+            calls=_field(obj, "calls", int, optional=True) or 0,
+            warnings=[str(w) for w in _field(obj, "warnings", list, optional=True) or ()],
         )
 
 
@@ -215,6 +220,8 @@ class Trajectory:
     base_url: str
     api_key: str = field(repr=False)
     exposed_base_url: str | None = None
+    #: The base URL without `/v1`, for Anthropic clients (`ANTHROPIC_BASE_URL`).
+    anthropic_base_url: str | None = None
     #: Proxy mode (`--proxy-port`): the credentialed proxy URL, and the environment to add to
     #: a harness subprocess so its calls to any API host are captured (docs/proxy.md).
     proxy_url: str | None = field(default=None, repr=False)
@@ -452,6 +459,7 @@ class CapturePool:
                 base_url=_field(reply, "base_url", str),
                 api_key=_field(reply, "api_key", str),
                 exposed_base_url=_field(reply, "exposed_base_url", str, optional=True),
+                anthropic_base_url=_field(reply, "anthropic_base_url", str, optional=True),
                 proxy_url=_field(reply, "proxy_url", str, optional=True),
                 env=_field(reply, "env", dict, optional=True),
                 paths=paths,

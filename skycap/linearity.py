@@ -58,7 +58,7 @@ class Linearity:
     @property
     def shape(self) -> str:
         if self.paths == 0:
-            return "empty"
+            return "empty: no model call captured"  # D-39
         return "linear" if self.paths == 1 else f"{self.paths} paths"
 
     def lines(self) -> list[str]:
@@ -256,7 +256,7 @@ def analyse(document: Mapping[str, Any]) -> Linearity:
 
 
 def summary_line(reports: Sequence[Linearity], unreadable: int) -> str:
-    """`<linear> of <readable> trajectories linear[; forks: …][; <n> unreadable]`.
+    """`<linear> of <readable> trajectories linear[; forks: …][; <n> empty][; <n> unreadable]`.
 
     Causes are listed most common first; equal counts follow the order of CAUSES.
     """
@@ -266,6 +266,9 @@ def summary_line(reports: Sequence[Linearity], unreadable: int) -> str:
     if counts:
         ordered = sorted(counts, key=lambda c: (-counts[c], CAUSES.index(c)))
         line += "; forks: " + ", ".join(f"{counts[c]} {c}" for c in ordered)
+    empty = sum(1 for r in reports if r.paths == 0)
+    if empty:
+        line += f"; {empty} empty"
     if unreadable:
         line += f"; {unreadable} unreadable"
     return line

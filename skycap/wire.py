@@ -1,4 +1,4 @@
-"""Strict JSON request-body parsing, the harness step-4 chat checks and error bodies.
+"""Strict JSON request-body parsing and the control-route error body, shared by every route.
 
 Every body skycap parses goes through `parse_json_body`, which refuses what could not be
 stored faithfully: invalid UTF-8, lone surrogates, integers beyond 64 bits (D-2) and
@@ -10,31 +10,11 @@ limit to a value that did not come from a body.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-#: A chat request's sampling keys: text mode records them as the call's `sampling` (format.md
-#: §8); token mode merges them with `--sampling-overrides` (http.md §9.1, §9.3).
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "min_tokens",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
 NOT_JSON = "request body is not JSON"
-MESSAGES_MESSAGE = "`messages` must be a list of objects"
-N_MESSAGE = "`n` > 1 is not supported: one call produces one sample"
 
 # orjson keeps integers in [-2**63, 2**64 - 1] and silently turns larger ones into floats,
 # losing digits (D-2). Any such literal has at least 19 digits, so a body without a run of
@@ -154,25 +134,8 @@ def _checked_int(literal: str) -> int:
     return value
 
 
-def check_chat_request(body: Any) -> dict[str, Any]:
-    """Apply the harness step-4 checks of http.md §3 in order; return the body as a dict.
-
-    `n` must be exactly the integer 1 when present: an explicit null, `true` or `1.0`
-    is refused too, since any other value could ask the server for several samples.
-    """
-    if not isinstance(body, dict):
-        raise BodyError(f"request body must be a JSON object, got {_json_type(body)}")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise BodyError(MESSAGES_MESSAGE)
-    if "n" in body:
-        n = body["n"]
-        if type(n) is not int or n != 1:
-            raise BodyError(N_MESSAGE)
-    return body
-
-
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """How an error message names a JSON value's type ("an array", "null", ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -186,25 +149,9 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def openai_error(
-    status: int, message: str, code: str | None = None, *, param: str | None = None
-) -> bytes:
-    """The harness-route error body of http.md §1 (SDKs read `error.message`, `code`, `param`)."""
-    kind = "api_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
 def control_error(message: str, code: str | None = None) -> bytes:
     """The control-route error body of http.md §1: `{"error": message}`, plus `code` if given."""
     body: dict[str, str] = {"error": message}
     if code is not None:
         body["code"] = code
     return orjson.dumps(body)
-
-
-def recorded_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The request's sampling as sent: its present, non-null SAMPLING_KEYS, values untouched.
-
-    Text mode records exactly this; token mode merges it with the overrides first.
-    """
-    return {key: body[key] for key in SAMPLING_KEYS if body.get(key) is not None}

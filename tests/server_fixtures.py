@@ -173,14 +173,16 @@ def harness_env(created: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def run_harness(created: dict[str, Any], script: str = HARNESS) -> dict[str, Any]:
+def run_harness(
+    created: dict[str, Any], script: str = HARNESS, timeout: float = 60
+) -> dict[str, Any]:
     """Run `script` in a subprocess configured only by the create's `env`; its JSON output."""
     done = subprocess.run(
         [sys.executable, "-c", script],
         env=harness_env(created),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

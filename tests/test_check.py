@@ -9,6 +9,7 @@ import pytest
 import zstandard
 
 from skycap.cli.main import main
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.graph import CLIENT, MODEL, Tokens
 from skycap.hashing import token_client_delta, token_match, token_model_delta
 from skycap.linearity import analyse, article, changes
@@ -50,7 +51,7 @@ class Text:
             "t_end": self.clock,
             "sampling": {"temperature": temperature},
         }
-        commit_text_call(self.trajectory, request, reply, call)
+        commit_text_call(self.trajectory, CHAT.read(request), reply, call)
         return self
 
     def write(self, record_dir: Path) -> None:
@@ -144,10 +145,10 @@ def test_the_spec_example(tmp_path: Path, capsys) -> None:
         "reply with reasoning_content dropped",
         "  1 unbridged call(s): prompt re-rendered, not extended",
         "tr_bad  unreadable: " + lines[4].split("unreadable: ", 1)[1],
-        "tr_c  finished  empty",
+        "tr_c  finished  empty: no model call captured",
     ]
     assert "truncated zstd frame" in lines[4]
-    assert lines[6:] == ["2 of 3 trajectories linear; forks: 1 edited reply; 1 unreadable"]
+    assert lines[6:] == ["2 of 3 trajectories linear; forks: 1 edited reply; 1 empty; 1 unreadable"]
     assert (code, err) == (2, "")
 
 
@@ -357,3 +358,40 @@ def test_analyse_reads_the_document_only() -> None:
         [],
         ["tr_x  open  linear"],
     )
+
+
+def test_json_and_forks_only(tmp_path: Path, capsys) -> None:
+    import json
+
+    Text("tr_1").call([Q], "4").call([Q], "5").call([Q], "6").write(tmp_path)
+    Text("tr_2").call([Q], "4").write(tmp_path)
+    _zst(tmp_path / "tr_bad.json.zst", b"[]")
+    code, lines, _ = check(capsys, tmp_path, "--json")
+    objects = [json.loads(line) for line in lines]
+    assert code == 2 and [o["id"] for o in objects] == ["tr_1", "tr_2", "tr_bad"]
+    assert objects[0]["paths"] == 3 and objects[0]["causes"] == {"resample": 2}
+    assert objects[0]["status"] == "finished" and objects[0]["linear"] is False
+    assert [f["cause"] for f in objects[0]["forks"]] == ["resample", "resample"]
+    assert objects[1] == {
+        "id": "tr_2",
+        "status": "finished",
+        "paths": 1,
+        "linear": True,
+        "causes": {},
+        "forks": [],
+        "unbridged_calls": 0,
+    }
+    assert objects[2] == {"id": "tr_bad", "error": "the document is a JSON list, not an object"}
+    code, lines, _ = check(capsys, tmp_path, "--forks-only")
+    assert [line.split("  ")[0] for line in lines if line.startswith("tr_")] == ["tr_1", "tr_bad"]
+    assert lines[-1] == "1 of 2 trajectories linear; forks: 2 resample; 1 unreadable"
+    code, lines, _ = check(capsys, tmp_path, "--forks-only", "--json")
+    assert [json.loads(line)["id"] for line in lines] == ["tr_1", "tr_bad"]
+
+
+def test_a_large_directory_says_its_summary_first(tmp_path: Path, capsys) -> None:
+    for i in range(20):
+        Text(f"tr_{i:02d}").call([Q], "4").write(tmp_path)
+    code, lines, _ = check(capsys, tmp_path)
+    assert code == 0 and lines[0] == lines[-1] == "20 of 20 trajectories linear"
+    assert len(lines) == 22

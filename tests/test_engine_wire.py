@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from skycap.arrays import pack
+from skycap.dialects.chat import recorded_sampling
 from skycap.tokens.engine import EngineError, EngineOutput, VLLMEngine, merge_sampling
-from skycap.wire import recorded_sampling
 
 STOPS = [151645, 151643]
 

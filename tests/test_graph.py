@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.graph import CLIENT, MODEL, Graph
 from skycap.text.commit import commit_text_call
 from skycap.trajectory import Trajectory
@@ -97,7 +98,7 @@ def test_text_commit_linear_replay_and_resample() -> None:
     user = {"role": "user", "content": "What is 2+2?"}
     first = commit_text_call(
         trajectory,
-        {"model": "policy", "messages": [user]},
+        CHAT.read({"model": "policy", "messages": [user]}),
         {"role": "assistant", "content": "4"},
         _call(temperature=0.7),
     )
@@ -106,7 +107,7 @@ def test_text_commit_linear_replay_and_resample() -> None:
     follow = [user, {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
     commit_text_call(
         trajectory,
-        {"model": "policy", "messages": follow},
+        CHAT.read({"model": "policy", "messages": follow}),
         {"role": "assistant", "content": "6"},
         _call(),
     )
@@ -114,14 +115,14 @@ def test_text_commit_linear_replay_and_resample() -> None:
     # The same reply again under the same sampling key is one node with two calls.
     again = commit_text_call(
         trajectory,
-        {"model": "policy", "messages": [user]},
+        CHAT.read({"model": "policy", "messages": [user]}),
         {"role": "assistant", "content": "4"},
         _call(temperature=0.7),
     )
     assert again is first and len(first.calls) == 2
     other = commit_text_call(
         trajectory,
-        {"model": "policy", "messages": [user]},
+        CHAT.read({"model": "policy", "messages": [user]}),
         {"role": "assistant", "content": "four"},
         _call(),
     )
@@ -132,11 +133,11 @@ def test_text_commit_edited_reply_becomes_client_sibling_and_tools_start_new_roo
     trajectory = Trajectory("tr_0000000000000002", capture={"mode": "text"})
     user = {"role": "user", "content": "hi"}
     reply = {"role": "assistant", "content": "yo", "reasoning_content": "think"}
-    commit_text_call(trajectory, {"messages": [user]}, reply, _call())
+    commit_text_call(trajectory, CHAT.read({"messages": [user]}), reply, _call())
     stripped = {"role": "assistant", "content": "yo"}
     commit_text_call(
         trajectory,
-        {"messages": [user, stripped, {"role": "user", "content": "x"}]},
+        CHAT.read({"messages": [user, stripped, {"role": "user", "content": "x"}]}),
         {"role": "assistant", "content": "z"},
         _call(),
     )
@@ -145,7 +146,7 @@ def test_text_commit_edited_reply_becomes_client_sibling_and_tools_start_new_roo
     tools = [{"type": "function", "function": {"name": "f"}}]
     commit_text_call(
         trajectory,
-        {"messages": [user], "tools": tools},
+        CHAT.read({"messages": [user], "tools": tools}),
         {"role": "assistant", "content": "yo"},
         _call(),
     )
@@ -159,7 +160,7 @@ def test_text_commit_skips_sealed_trajectory() -> None:
     trajectory.seal("finished")
     node = commit_text_call(
         trajectory,
-        {"messages": [{"role": "user", "content": "x"}]},
+        CHAT.read({"messages": [{"role": "user", "content": "x"}]}),
         {"role": "assistant", "content": "y"},
         _call(),
     )

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "skycap"
 
 # docs/architecture.md: each module may import only from its own layer or below.
 LAYERS = [
-    ("skycap.hashing", "skycap.arrays", "skycap.wire"),
+    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.dialects"),
     ("skycap.graph",),
     ("skycap.trajectory",),
     ("skycap.record", "skycap.text", "skycap.tokens"),
@@ -94,7 +94,7 @@ def test_no_import_cycles() -> None:
 
 def test_client_side_and_records_never_load_mitmproxy() -> None:
     code = (
-        "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard\n"
+        "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard.view\n"
         "import skycap.rollout, skycap.compose\n"
         "from skycap import CapturePool, Sample, load\n"
         "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"

@@ -12,8 +12,8 @@ import openai
 import orjson
 import pytest
 
+from skycap.dialects.chat import StreamAssembler
 from skycap.mock.upstream import MODEL, Reply, ScriptedUpstream
-from skycap.text.stream import StreamAssembler
 
 TOOLS = [
     {

@@ -16,7 +16,16 @@ from mitmproxy import optmanager
 from skycap.certs import default_confdir, ensure_ca
 from skycap.cli.main import main
 from skycap.server import options as options_module
-from skycap.server.addon import CHAT, MODELS, PASS, proxy_route
+from skycap.server.addon import (
+    CHAT,
+    COUNT_TOKENS,
+    MESSAGES,
+    MODELS,
+    PASS,
+    REFUSED,
+    RESPONSES,
+    proxy_route,
+)
 from skycap.server.keys import basic_credentials
 from skycap.server.options import ServerOptions, from_values
 
@@ -133,10 +142,16 @@ def test_mitmdump_turns_the_proxy_on_with_a_regular_mode(tmp_path: Path) -> None
         ("GET", "/v1/models/gpt-4o", PASS),
         ("GET", "/v1/chat/completions", PASS),
         ("POST", "/v1/embeddings", PASS),
+        ("POST", "/v1/messages?beta=true", MESSAGES),
+        ("POST", "/v1/messages/count_tokens?beta=true", COUNT_TOKENS),
+        ("POST", "/v1/responses", RESPONSES),
+        ("GET", "/v1/responses/resp_1", RESPONSES),
     ],
 )
 def test_what_the_proxy_captures(method: str, path: str, kind: str) -> None:
     assert proxy_route(method, path) == kind  # D-24
+    refused = REFUSED if kind == PASS else kind
+    assert proxy_route(method, path, model_api_host=True) == refused  # D-38
 
 
 def test_basic_credentials_parse_strictly() -> None:

@@ -76,11 +76,16 @@ def test_create_hands_out_the_proxy_env(server: ServerThread, control: Control) 
     port = proxy_port(server)
     proxy_url = f"http://{created['id']}:{created['api_key']}@127.0.0.1:{port}"
     assert created["proxy_url"] == proxy_url
+    bundle = str(server.options.confdir / "skycap-ca-bundle.pem")
     assert created["env"] == {
         "HTTPS_PROXY": proxy_url,
-        "SSL_CERT_FILE": str(server.options.confdir / "skycap-ca-bundle.pem"),
+        "SSL_CERT_FILE": bundle,
+        "NODE_EXTRA_CA_CERTS": bundle,  # D-48: Node-based CLIs (Claude Code)
+        "NODE_USE_ENV_PROXY": "1",
+        "CODEX_CA_CERTIFICATE": bundle,
         "NO_PROXY": "127.0.0.1",
     }
+    assert created["anthropic_base_url"] == created["base_url"].removesuffix("/v1")
     health = control.http.get("/healthz").json()
     assert health["proxy"]["port"] == port
     # The control listener is no proxy: CONNECT there is refused, never tunnelled (D-7).

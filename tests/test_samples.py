@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from skycap.arrays import rows_to_csr
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.graph import CLIENT, MODEL, Graph, Tokens
 from skycap.samples import (
     PathRuleFailed,
@@ -102,7 +103,7 @@ def test_text_mode_sample_has_only_the_four_keys() -> None:
     trajectory = Trajectory("tr_0000000000000001", capture={"mode": "text"})
     request = {"model": "policy", "messages": [{"role": "user", "content": "What is 2+2?"}]}
     call = {"t_start": 1.0, "t_end": 2.0, "sampling": {"temperature": 0.7}}
-    commit_text_call(trajectory, request, {"role": "assistant", "content": "4"}, call)
+    commit_text_call(trajectory, CHAT.read(request), {"role": "assistant", "content": "4"}, call)
     [row] = rows_all(trajectory.graph)
     encoded = encode_sample(build_sample(trajectory.graph, row.path, row.targets))
     assert encoded == {

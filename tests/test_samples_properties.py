@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skycap.client import Sample
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.graph import CLIENT, MODEL, Graph, Tokens
 from skycap.samples import (
     Row,
@@ -198,7 +199,7 @@ def text_histories(draw: st.DrawFn) -> tuple[Trajectory, list[int]]:
             request["tools"] = [{"type": "function", "function": {"name": "f"}}]
         sampling = {"temperature": draw(st.sampled_from([0.7, 1.0]))}
         call = {"t_start": float(2 * k), "t_end": float(2 * k + 1), "sampling": sampling}
-        node = commit_text_call(trajectory, request, reply, call)
+        node = commit_text_call(trajectory, CHAT.read(request), reply, call)
         replies.append(node.id)
         conversations.append([*messages, reply])
     return trajectory, replies

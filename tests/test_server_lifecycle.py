@@ -140,7 +140,7 @@ def test_require_api_key(make_server, tmp_path: Path) -> None:
         ({}, required),
         (
             {"Authorization": mine["api_key"]},
-            f"{required}: send it as `Authorization: Bearer <api_key>`",
+            f"{required}: send it as `Authorization: Bearer <api_key>` or `x-api-key`",
         ),
         ({"Authorization": "Bearer sk-skycap-guess"}, wrong),
         ({"Authorization": f"Bearer {other['api_key']}"}, wrong),

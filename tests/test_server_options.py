@@ -9,7 +9,19 @@ from pathlib import Path
 import pytest
 
 from skycap.server import options as options_module
-from skycap.server.addon import CHAT, CREATE, DOCUMENT, FINISH, HARNESS_MISS, MISS, MODELS, route
+from skycap.server.addon import (
+    CHAT,
+    COUNT_TOKENS,
+    CREATE,
+    DOCUMENT,
+    FINISH,
+    HARNESS_MISS,
+    MESSAGES,
+    MISS,
+    MODELS,
+    RESPONSES,
+    route,
+)
 from skycap.server.keys import KEY_PREFIX, authorized, new_api_key
 from skycap.server.options import FLAGS, ServerOptions, from_values
 from skycap.server.retry import CAPACITY, REUSED_KEY, Conflict, Replay, RetryCache, call_key
@@ -178,6 +190,13 @@ def test_api_keys_are_compared_in_constant_time_as_bytes() -> None:
         ("GET", "/trajectories/tr_x", (DOCUMENT, "tr_x")),
         ("DELETE", "/trajectories/tr_x", (MISS, None)),
         ("POST", "/v1/chat/completions", (MISS, None)),
+        ("POST", "/t/tr_0123456789abcdef/v1/messages?beta=true", (MESSAGES, "tr_0123456789abcdef")),
+        (
+            "POST",
+            "/t/tr_0123456789abcdef/v1/messages/count_tokens",
+            (COUNT_TOKENS, "tr_0123456789abcdef"),
+        ),
+        ("GET", "/t/tr_0123456789abcdef/v1/responses/r_1", (RESPONSES, "tr_0123456789abcdef")),
         ("GET", "/metrics", (MISS, None)),
     ],
 )

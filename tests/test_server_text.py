@@ -301,3 +301,32 @@ def test_stream_chunks_flow_through_and_the_tail_waits_for_the_commit(
                 seen_at_finish = server.run_in_loop(model_nodes)  # held back until committed
     assert seen_before_commit == 0 and seen_at_finish == 1
     control.close()
+
+
+def test_the_sdk_stream_helpers_replayed_messages_stay_one_path(
+    make_server, upstream: ScriptedUpstream
+) -> None:
+    """`chat.completions.stream()`'s final message, replayed with model_dump(), carries
+    `parsed`, tool-call `index`, `parsed_arguments` and `reasoning`: folded away (D-35)."""
+    upstream.script = [
+        Reply(reasoning_content="let me look", content="One moment.", tool_calls=[SEARCH]),
+        Reply(content="Found it."),
+    ]
+    server = make_server()
+    control = Control(server.url)
+    trajectory = control.create()
+    client = sdk(trajectory)
+    messages: list[Any] = [{"role": "user", "content": "look it up"}]
+    dumped = []
+    for _ in range(2):
+        with client.chat.completions.stream(model="policy", messages=messages, tools=TOOLS_A) as s:
+            message = s.get_final_completion().choices[0].message.model_dump()
+        dumped.append(message)
+        messages.append(message)
+        if message["tool_calls"]:
+            messages.append({"role": "tool", "tool_call_id": "call_0", "content": "found"})
+    assert "parsed" in dumped[0] and "index" in dumped[0]["tool_calls"][0]
+    samples = control.finish(trajectory["id"]).json()["samples"]
+    assert len(samples) == 1 and samples[0]["messages"][-1]["content"] == "Found it."
+    assert samples[0]["messages"][1]["reasoning_content"] == "let me look"
+    control.close()

@@ -1,4 +1,4 @@
-"""Tests for incremental SSE stream assembly (skycap.text.stream, http.md §8)."""
+"""Tests for incremental SSE stream assembly (skycap.dialects.chat, http.md §8)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from skycap.text.stream import StreamAssembler, StreamError
+from skycap.dialects.chat import StreamAssembler, StreamError
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 

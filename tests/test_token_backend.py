@@ -1,4 +1,4 @@
-"""Tests of TokenBackend.chat driven directly against the scripted vLLM engine on a real socket."""
+"""Tests of TokenBackend.call driven directly against the scripted vLLM engine on a real socket."""
 
 from __future__ import annotations
 
@@ -11,16 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.mock.engine import Reply as EngineReply
 from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
-from skycap.tokens.backend import (
-    _SHARED_INTS,
-    ENGINE_EXCERPT_LIMIT,
-    SHARED_INT_LIMIT,
-    TokenBackend,
-    _interned,
-    engine_status_message,
-)
+from skycap.tokens.backend import _SHARED_INTS, SHARED_INT_LIMIT, TokenBackend, _interned
+from skycap.tokens.client import ENGINE_EXCERPT_LIMIT, engine_status_message
 from skycap.tokens.engine import VLLMEngine
 from skycap.tokens.renderer import LibraryRenderer
 from skycap.trajectory import FAILED, FINISHED, Trajectory
@@ -84,7 +79,9 @@ async def run_episode(backend: TokenBackend, traj: Trajectory, turns: int) -> li
     """A harness loop: replay each reply as returned, answer tool calls, then ask again."""
     messages = [dict(m) for m in START]
     for _ in range(turns):
-        message = answer(await backend.chat(traj, chat_body(messages)))["choices"][0]["message"]
+        message = answer(await backend.call(traj, CHAT.read(chat_body(messages)), CHAT))["choices"][
+            0
+        ]["message"]
         messages.append(message)
         for call in message.get("tool_calls") or ():
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
@@ -149,7 +146,7 @@ async def test_sampling_merge_clamp_and_recording(
     )
     traj = trajectory(backend)
     body = chat_body(START, temperature=0.7, max_tokens=50, seed=None, cache_salt="salt")
-    answer(await backend.chat(traj, body))
+    answer(await backend.call(traj, CHAT.read(body), CHAT))
     sent = engine.requests[-1].body
     params = sent["sampling_params"]
     assert params["temperature"] == 0.7 and params["top_k"] == 20 and params["logprobs"] == 0
@@ -167,7 +164,7 @@ async def test_max_tokens_is_clamped_to_the_room_left(
 ) -> None:
     backend = make_backend(max_model_len=200)
     traj = trajectory(backend)
-    answer(await backend.chat(traj, chat_body(START, max_tokens=5000)))
+    answer(await backend.call(traj, CHAT.read(chat_body(START, max_tokens=5000)), CHAT))
     prompt = len(engine.requests[-1].body["token_ids"])
     assert engine.requests[-1].body["sampling_params"]["max_tokens"] == 200 - prompt
 
@@ -211,7 +208,7 @@ async def test_refusals_before_inference_record_nothing(
 ) -> None:
     backend = make_backend(**options)
     traj = trajectory(backend)
-    reply = await backend.chat(traj, chat_body(START, **extra))
+    reply = await backend.call(traj, CHAT.read(chat_body(START, **extra)), CHAT)
     assert reply.status == status and not reply.replayable
     assert error_of(reply)["code"] == code and message in error_of(reply)["message"]
     assert engine.generated == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
@@ -223,9 +220,9 @@ async def test_plan_errors_are_400_before_inference(
 ) -> None:
     backend = make_backend()
     traj = trajectory(backend)
-    reply = await backend.chat(traj, chat_body([]))
+    reply = await backend.call(traj, CHAT.read(chat_body([])), CHAT)
     assert reply.status == 400 and "`messages` is empty" in error_of(reply)["message"]
-    reply = await backend.chat(traj, chat_body([{"content": "no role"}]))
+    reply = await backend.call(traj, CHAT.read(chat_body([{"content": "no role"}])), CHAT)
     assert reply.status == 400 and error_of(reply)["type"] == "invalid_request_error"
     assert engine.generated == [] and traj.failures == [] and traj.is_open
 
@@ -237,7 +234,9 @@ async def test_a_message_the_template_drops_is_a_plan_error_naming_it(
     backend = make_backend()
     traj = trajectory(backend)
     dropped = {"role": role, "content": "Always answer in French"}
-    reply = await backend.chat(traj, chat_body([dropped, {"role": "user", "content": "x"}]))
+    reply = await backend.call(
+        traj, CHAT.read(chat_body([dropped, {"role": "user", "content": "x"}])), CHAT
+    )
     assert reply.status == 400 and error_of(reply)["code"] is None
     assert error_of(reply)["message"] == (
         f"message 0 (role '{role}') renders to no tokens with this chat template, so the "
@@ -248,7 +247,7 @@ async def test_a_message_the_template_drops_is_a_plan_error_naming_it(
     messages = await run_episode(backend, traj, 1)
     nodes, requests = len(traj.graph), len(engine.generated)
     later = [*messages, dropped, {"role": "user", "content": "y"}]
-    reply = await backend.chat(traj, chat_body(later))
+    reply = await backend.call(traj, CHAT.read(chat_body(later)), CHAT)
     assert reply.status == 400
     assert error_of(reply)["message"].startswith(f"message {len(messages)} (role '{role}')")
     assert len(traj.graph) == nodes and len(engine.generated) == requests and traj.failures == []
@@ -258,7 +257,7 @@ async def test_messages_with_nothing_to_render_may_get_no_tokens(make_backend: A
     backend = make_backend()
     traj = trajectory(backend)
     empty = [{"role": "developer", "content": ""}, {"role": "user", "content": "x"}]
-    answer(await backend.chat(traj, chat_body(empty)))
+    answer(await backend.call(traj, CHAT.read(chat_body(empty)), CHAT))
     first = traj.graph[0]
     assert first.message == empty[0] and first.tokens.length == 0
     assert traj.graph[1].tokens.length > 0
@@ -273,7 +272,7 @@ async def test_an_ordinary_tool_conversation_renders_every_message(make_backend:
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "42"},
     ]
-    answer(await backend.chat(traj, chat_body(messages)))
+    answer(await backend.call(traj, CHAT.read(chat_body(messages)), CHAT))
     clients = [node for node in traj.graph if not node.is_model]
     assert [node.message for node in clients] == messages
     assert all(node.tokens.length > 0 for node in clients)
@@ -282,9 +281,8 @@ async def test_an_ordinary_tool_conversation_renders_every_message(make_backend:
 async def test_stream_true_answers_one_buffered_sse_body(make_backend: Any) -> None:
     backend = make_backend()
     traj = trajectory(backend)
-    reply = await backend.chat(
-        traj, chat_body(START, stream=True, stream_options={"include_usage": True})
-    )
+    body = chat_body(START, stream=True, stream_options={"include_usage": True})
+    reply = await backend.call(traj, CHAT.read(body), CHAT)
     assert reply.status == 200 and reply.replayable
     assert reply.headers["content-type"] == "text/event-stream"
     assert reply.headers["x-skycap-status"] == "ok"
@@ -294,7 +292,8 @@ async def test_stream_true_answers_one_buffered_sse_body(make_backend: Any) -> N
     assert len({c["id"] for c in chunks}) == 1
     deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
     assert deltas[0] == {"role": "assistant"}
-    assert deltas[1] == {"reasoning_content": "Step 1: I will call search."}
+    reasoning = "Step 1: I will call search."
+    assert deltas[1] == {"reasoning_content": reasoning, "reasoning": reasoning}
     assert deltas[2]["tool_calls"][0]["function"]["name"] == "search"
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
     # Usage comes last, in a chunk of its own, only because include_usage asked for it.
@@ -302,7 +301,9 @@ async def test_stream_true_answers_one_buffered_sse_body(make_backend: Any) -> N
     assert chunks[-1]["usage"]["total_tokens"] == sum(
         chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens")
     )
-    plain = await backend.chat(trajectory(backend, "02"), chat_body(START, stream=True))
+    plain = await backend.call(
+        trajectory(backend, "02"), CHAT.read(chat_body(START, stream=True)), CHAT
+    )
     frames = plain.body.decode().split("\n\n")
     assert all("usage" not in json.loads(f.removeprefix("data: ")) for f in frames[:-2])
 
@@ -312,7 +313,9 @@ async def test_raw_content_replays_verbatim_as_one_path(make_backend: Any) -> No
     traj = trajectory(backend)
     messages = [dict(m) for m in START]
     for _ in range(3):
-        message = answer(await backend.chat(traj, chat_body(messages)))["choices"][0]
+        message = answer(await backend.call(traj, CHAT.read(chat_body(messages)), CHAT))["choices"][
+            0
+        ]
         assert message["finish_reason"] == "stop"  # tool calls are not parsed
         message = message["message"]
         assert message["reasoning_content"] is None and message["content"].startswith("<think>")
@@ -328,10 +331,12 @@ async def test_dropped_reasoning_forks_and_is_unbridged(make_backend: Any) -> No
     backend = make_backend()
     traj = trajectory(backend)
     messages = [dict(m) for m in START]
-    message = answer(await backend.chat(traj, chat_body(messages)))["choices"][0]["message"]
-    del message["reasoning_content"]
+    message = answer(await backend.call(traj, CHAT.read(chat_body(messages)), CHAT))["choices"][0][
+        "message"
+    ]
+    del message["reasoning_content"], message["reasoning"]
     messages += [message, {"role": "tool", "tool_call_id": "c", "content": "42"}]
-    answer(await backend.chat(traj, chat_body(messages)))
+    answer(await backend.call(traj, CHAT.read(chat_body(messages)), CHAT))
     assert len(traj.graph.leaves()) == 2
     assert [c["bridged"] for c in traj.graph.calls()] == [None, False]
 
@@ -360,13 +365,13 @@ async def test_engine_failures_answer_502_and_keep_the_trajectory_open(
     backend = make_backend()
     traj = trajectory(backend)
     engine.fail_next(fault)
-    reply = await backend.chat(traj, chat_body(START))
+    reply = await backend.call(traj, CHAT.read(chat_body(START)), CHAT)
     assert reply.status == status and not reply.replayable
     assert error_of(reply)["type"] == "api_error"
     (failure,) = traj.failures
     assert failure["status"] == failure_status and error in failure["error"]
     assert traj.is_open and len(traj.graph) == 0
-    answer(await backend.chat(traj, chat_body(START)))  # the next call works
+    answer(await backend.call(traj, CHAT.read(chat_body(START)), CHAT))  # the next call works
 
 
 async def test_an_engine_error_status_quotes_the_engine_body(
@@ -374,7 +379,7 @@ async def test_an_engine_error_status_quotes_the_engine_body(
 ) -> None:
     backend = make_backend(upstream_url=engine.url + "/v1")  # the usual wrong root
     traj = trajectory(backend)
-    reply = await backend.chat(traj, chat_body(START))
+    reply = await backend.call(traj, CHAT.read(chat_body(START)), CHAT)
     body = '{"error":{"message":"no route /v1/inference/v1/generate"}}'
     assert reply.status == 502 and error_of(reply)["message"] == f"engine returned HTTP 404: {body}"
     assert traj.failures[0]["status"] == 404 and traj.failures[0]["error"] == body
@@ -393,17 +398,17 @@ async def test_bad_experts_fail_the_trajectory_but_still_answer(
 ) -> None:
     backend = make_backend()
     traj = trajectory(backend)
-    answer(await backend.chat(traj, chat_body(START)))
+    answer(await backend.call(traj, CHAT.read(chat_body(START)), CHAT))
     engine.fail_next(fault)
     messages = [*START, {"role": "user", "content": "more"}]
-    reply = await backend.chat(traj, chat_body(messages))
+    reply = await backend.call(traj, CHAT.read(chat_body(messages)), CHAT)
     assert reply.status == 200 and reply.headers["x-skycap-status"] == "failed"
     assert not reply.replayable and answer(reply)["choices"][0]["message"]["role"] == "assistant"
     assert traj.status == FAILED and len(traj.graph) == 3  # only the first turn's nodes
     (failure,) = traj.failures
     assert failure["status"] is None
     assert failure["error"].startswith("token attribution: routed experts cover")
-    later = await backend.chat(traj, chat_body(messages))
+    later = await backend.call(traj, CHAT.read(chat_body(messages)), CHAT)
     assert later.status == 410 and error_of(later)["code"] == "trajectory_closed"
     assert error_of(later)["message"] == "trajectory is failed"
 
@@ -413,14 +418,14 @@ async def test_connection_refused_and_hang_past_the_timeout(
 ) -> None:
     refused = make_backend(upstream_url="http://127.0.0.1:9")
     traj = trajectory(refused)
-    reply = await refused.chat(traj, chat_body(START))
+    reply = await refused.call(traj, CHAT.read(chat_body(START)), CHAT)
     assert reply.status == 502 and "engine: ConnectError" in error_of(reply)["message"]
     assert traj.failures[0]["error"].startswith("engine: ConnectError") and traj.is_open
 
     slow = make_backend(upstream_timeout=0.3)
     traj = trajectory(slow, "02")
     engine.fail_next("hang")
-    reply = await slow.chat(traj, chat_body(START))
+    reply = await slow.call(traj, CHAT.read(chat_body(START)), CHAT)
     engine.release()
     assert reply.status == 502
     assert error_of(reply)["message"] == "engine: timed out after 0.3 s"
@@ -433,10 +438,12 @@ async def test_turns_of_one_trajectory_run_one_at_a_time_and_trajectories_in_par
     backend = make_backend()
     one, other = trajectory(backend, "01"), trajectory(backend, "02")
     engine.fail_next("hang")
-    held = asyncio.create_task(backend.chat(one, chat_body(START)))
+    held = asyncio.create_task(backend.call(one, CHAT.read(chat_body(START)), CHAT))
     await asyncio.to_thread(engine.wait_for_requests, 1)
-    queued = asyncio.create_task(backend.chat(one, chat_body(START)))
-    answer(await backend.chat(other, chat_body(START)))  # not blocked by the hung turn
+    queued = asyncio.create_task(backend.call(one, CHAT.read(chat_body(START)), CHAT))
+    answer(
+        await backend.call(other, CHAT.read(chat_body(START)), CHAT)
+    )  # not blocked by the hung turn
     assert not held.done() and not queued.done()
     engine.release()
     answer(await held)
@@ -450,7 +457,7 @@ async def test_a_closed_trajectory_gets_410(engine: ScriptedEngine, make_backend
     backend = make_backend()
     traj = trajectory(backend)
     traj.seal(FINISHED)
-    reply = await backend.chat(traj, chat_body(START))
+    reply = await backend.call(traj, CHAT.read(chat_body(START)), CHAT)
     assert reply.status == 410 and error_of(reply)["message"] == "trajectory is finished"
     assert engine.generated == []
 
@@ -476,7 +483,7 @@ async def test_release_posts_the_session_and_drops_turn_state(
 
     backend = make_backend(engine=Releasing())
     traj = trajectory(backend)
-    answer(await backend.chat(traj, chat_body(START)))
+    answer(await backend.call(traj, CHAT.read(chat_body(START)), CHAT))
     await backend.release(traj.id)  # the scripted engine answers 404: only logged
     assert engine.requests[-1].path == f"/release?session_id={traj.id}"
     assert traj.id not in backend._states
@@ -495,7 +502,7 @@ async def test_tokenizer_options_build_a_pool_and_decode_spans_is_thread_safe(
         "use_raw_content": False,
     }
     traj = trajectory(backend)
-    answer(await backend.chat(traj, chat_body(START)))
+    answer(await backend.call(traj, CHAT.read(chat_body(START)), CHAT))
     node = traj.graph[1]
     results = await asyncio.gather(
         *(asyncio.to_thread(backend.decode_spans, node.tokens.ids, ()) for _ in range(4))
@@ -523,10 +530,10 @@ async def test_a_truncated_thinking_reply_bridges_with_the_close_as_scaffold(
     backend = make_backend()
     traj = trajectory(backend)
     engine.queue(EngineReply("<think>\nstill thinking", finish_reason="length"))
-    first = answer(await backend.chat(traj, chat_body(START)))["choices"][0]
+    first = answer(await backend.call(traj, CHAT.read(chat_body(START)), CHAT))["choices"][0]
     assert first["finish_reason"] == "length"
     messages = [*START, first["message"], {"role": "user", "content": "finish"}]
-    answer(await backend.chat(traj, chat_body(messages)))
+    answer(await backend.call(traj, CHAT.read(chat_body(messages)), CHAT))
     assert [c["bridged"] for c in traj.graph.calls()] == [None, True]
     assert len(traj.graph.leaves()) == 1
 

@@ -211,7 +211,7 @@ def test_dropped_reasoning_forks_and_check_names_an_edited_reply(
     for _ in range(2):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message.model_dump(exclude_none=True)
-        del message["reasoning_content"]
+        del message["reasoning_content"], message["reasoning"]
         messages.append(message)
         messages.append(
             {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "42"}
@@ -320,3 +320,34 @@ def test_an_unreachable_engine_answers_502(servers: OneServer, qwen3_renderer: A
         assert document["failures"][0]["error"].startswith("engine: ConnectError")
     finally:
         control.close()
+
+
+def test_the_sdk_stream_helpers_replayed_messages_stay_one_bridged_path(
+    control: Control,
+) -> None:
+    """`chat.completions.stream()`'s final message carries `parsed`, tool-call `index` and
+    `parsed_arguments`, plus `reasoning`; replayed with model_dump() they fold away (D-35)."""
+    trajectory = control.create()
+    client = sdk(trajectory)
+    messages: list[Any] = [dict(m) for m in START]
+    dumped: list[dict[str, Any]] = []
+    for _ in range(3):
+        with client.chat.completions.stream(
+            model="policy", messages=messages, tools=TOOLS
+        ) as stream:
+            final = stream.get_final_completion()
+        message = final.choices[0].message.model_dump()
+        dumped.append(message)
+        messages.append(message)
+        for call in message["tool_calls"] or ():
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
+    assert "parsed" in dumped[0] and "index" in dumped[0]["tool_calls"][0]
+    assert dumped[0]["reasoning"] == dumped[0]["reasoning_content"]
+    document = control.document(trajectory["id"]).json()
+    calls = [c for n in document["nodes"] for c in n["calls"]]
+    assert [c["bridged"] for c in calls] == [None, True, True]
+    assert {c["dialect"] for c in calls} == {"chat"}
+    stored = [n["message"] for n in document["nodes"] if n["author"] == "model"]
+    assert all("parsed" not in m and "reasoning" not in m for m in stored)
+    finished = control.finish(trajectory["id"]).json()
+    assert len(finished["samples"]) == 1 and finished["unbridged_calls"] == 0

@@ -1,21 +1,19 @@
-"""Tests for strict request-body parsing, the step-4 chat checks and error bodies (skycap.wire)."""
+"""Tests for strict body parsing, the chat checks and error bodies (wire, dialects.chat)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from skycap.wire import (
+from skycap.dialects.chat import (
     MESSAGES_MESSAGE,
     N_MESSAGE,
     SAMPLING_KEYS,
-    BodyError,
     check_chat_request,
-    control_error,
     openai_error,
-    parse_json_body,
     recorded_sampling,
 )
+from skycap.wire import BodyError, control_error, parse_json_body
 
 
 def _refusal(raw: bytes, **kwargs: bool) -> str:

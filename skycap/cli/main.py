@@ -40,7 +40,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         prog="skycap",
         description="Capture what an LLM policy saw and sampled while an agent harness runs.",
     )
-    parser.add_argument("--version", action="version", version=f"skycap {version('skycap')}")
+    parser.add_argument("-V", "--version", action="version", version=f"skycap {version('skycap')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands = {}
     for name, module_name in _available().items():

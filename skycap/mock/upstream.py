@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 import h11
 import orjson
 
-from skycap.wire import openai_error
+from skycap.dialects.chat import openai_error
 
 MODEL = "mock-model"
 CREATED = 1_700_000_000
@@ -380,15 +380,55 @@ class ScriptedUpstream:
         request: RecordedRequest,
     ) -> bool:
         path = request.path.split("?", 1)[0]
-        if request.method == "POST" and path == "/v1/chat/completions":
+        if request.method == "POST" and path == self.CALL_PATH:
             return await self._chat(conn, reader, writer, request.body)
         if request.method == "GET" and path == "/v1/models":
             models = {"object": "list", "data": [_model_entry()]}
             await _send_json(conn, writer, 200, orjson.dumps(models))
             return True
+        other = self._other_route(request.method, path, request.body)
+        if other is not None:
+            await _send_json(conn, writer, 200, other)
+            return True
         message = f"mock upstream has no route {request.method} {path}"
-        await _send_json(conn, writer, 404, openai_error(404, message))
+        await _send_json(conn, writer, 404, self._error_body(404, message))
         return True
+
+    # The wire shapes of this API; a scripted server for another API overrides these.
+
+    CALL_PATH = "/v1/chat/completions"
+    ID_PREFIX = "chatcmpl-mock"
+
+    def _other_route(self, method: str, path: str, body: bytes) -> bytes | None:
+        """A JSON answer for a route beside the model call and model list, or None (404)."""
+        return None
+
+    def _error_body(self, status: int, message: str) -> bytes:
+        return openai_error(status, message)
+
+    def _reply_body(self, reply: Reply, *, model: str, reply_id: str, request_size: int) -> bytes:
+        return completion_body(reply, model=model, reply_id=reply_id, request_size=request_size)
+
+    def _reply_events(
+        self, reply: Reply, *, model: str, reply_id: str, request_size: int, body: dict[str, Any]
+    ) -> list[bytes]:
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        return stream_events(
+            reply,
+            model=model,
+            reply_id=reply_id,
+            request_size=request_size,
+            include_usage=include_usage,
+        )
+
+    def _no_choices(self, stream: bool) -> list[bytes] | bytes:
+        """A 200 with no reply in it: stream events, or a JSON body."""
+        if stream:
+            head = {"id": "chatcmpl-mock-nochoices", "object": "chat.completion.chunk"}
+            return [_event(head), b"data: [DONE]\n\n"]
+        head = {"id": "chatcmpl-mock-nochoices", "object": "chat.completion", "model": MODEL}
+        return orjson.dumps(head)
 
     async def _chat(
         self,
@@ -411,31 +451,22 @@ class ScriptedUpstream:
         if fault is not None:
             await asyncio.sleep(fault.seconds)
         if not isinstance(body, dict):
-            await _send_json(conn, writer, 400, openai_error(400, detail))
+            await _send_json(conn, writer, 400, self._error_body(400, detail))
             return True
         try:
             reply = self._next_reply(body)
         except _ScriptError as exc:
-            await _send_json(conn, writer, 500, openai_error(500, str(exc)))
+            await _send_json(conn, writer, 500, self._error_body(500, str(exc)))
             return True
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL
         with self._lock:
             self._calls += 1
-            reply_id = f"chatcmpl-mock{self._calls}"
+            reply_id = f"{self.ID_PREFIX}{self._calls}"
+        ids = {"model": model, "reply_id": reply_id, "request_size": len(raw)}
         if not stream:
-            payload = completion_body(reply, model=model, reply_id=reply_id, request_size=len(raw))
-            await _send_json(conn, writer, 200, payload)
+            await _send_json(conn, writer, 200, self._reply_body(reply, **ids))
             return True
-        options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        events = stream_events(
-            reply,
-            model=model,
-            reply_id=reply_id,
-            request_size=len(raw),
-            include_usage=include_usage,
-        )
-        await self._send_stream(conn, writer, events)
+        await self._send_stream(conn, writer, self._reply_events(reply, **ids, body=body))
         return True
 
     def _take_fault(self) -> _Fault | None:
@@ -492,44 +523,45 @@ class ScriptedUpstream:
         """Answer a chat call with `fault`; return whether the connection stays usable."""
         if fault.kind == "status":
             message = f"scripted upstream fault: HTTP {fault.status}"
-            body = fault.body if fault.body is not None else openai_error(fault.status, message)
+            body = fault.body if fault.body is not None else self._error_body(fault.status, message)
             await _send_json(conn, writer, fault.status, body)
         elif fault.kind == "hang":
             while await reader.read(READ_SIZE):
                 pass
             return False
         elif fault.kind == "break_stream":
-            await _break(conn, writer, stream)
+            await self._break(conn, writer, stream)
             return False
         elif fault.kind == "garbage" and stream:
             await self._send_stream(conn, writer, [b"data: <html>not json</html>\n\n"] * 2)
         elif fault.kind == "garbage":
             await _send_json(conn, writer, 200, b"<html>this is not JSON</html>")
-        elif stream:  # no_choices
-            head = {"id": "chatcmpl-mock-nochoices", "object": "chat.completion.chunk"}
-            await self._send_stream(conn, writer, [_event(head), b"data: [DONE]\n\n"])
         else:  # no_choices
-            head = {"id": "chatcmpl-mock-nochoices", "object": "chat.completion", "model": MODEL}
-            await _send_json(conn, writer, 200, orjson.dumps(head))
+            empty = self._no_choices(stream)
+            if isinstance(empty, list):
+                await self._send_stream(conn, writer, empty)
+            else:
+                await _send_json(conn, writer, 200, empty)
         return True
 
-
-async def _break(conn: h11.Connection, writer: asyncio.StreamWriter, stream: bool) -> None:
-    """Send about half of a normal answer (never its finish chunk), then drop the socket."""
-    reply = Reply(content="this reply is cut off before it ends")
-    ids = {"model": MODEL, "reply_id": "chatcmpl-mock-broken", "request_size": 0}
-    if stream:
-        events = stream_events(reply, **ids, include_usage=False)
-        writer.write(conn.send(_stream_head()))
-        for event in events[: len(events) // 2]:
-            writer.write(conn.send(h11.Data(data=event)))
-    else:
-        payload = completion_body(reply, **ids)
-        writer.write(conn.send(_json_head(200, len(payload))))
-        writer.write(conn.send(h11.Data(data=payload[: len(payload) // 2])))
-    writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for a flush
-    await writer.drain()
-    writer.transport.abort()
+    async def _break(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, stream: bool
+    ) -> None:
+        """Send about half of a normal answer (never its finish chunk), then drop the socket."""
+        reply = Reply(content="this reply is cut off before it ends")
+        ids = {"model": MODEL, "reply_id": f"{self.ID_PREFIX}-broken", "request_size": 0}
+        if stream:
+            events = self._reply_events(reply, **ids, body={})
+            writer.write(conn.send(_stream_head()))
+            for event in events[: len(events) // 2]:
+                writer.write(conn.send(h11.Data(data=event)))
+        else:
+            payload = self._reply_body(reply, **ids)
+            writer.write(conn.send(_json_head(200, len(payload))))
+            writer.write(conn.send(h11.Data(data=payload[: len(payload) // 2])))
+        writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for a flush
+        await writer.drain()
+        writer.transport.abort()
 
 
 def _model_entry() -> dict[str, Any]:

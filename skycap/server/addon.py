@@ -26,11 +26,20 @@ from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 import skycap.control_token as credential
 from skycap.certs import ensure_ca
+from skycap.dialects import Dialect
+from skycap.dialects.chat import DIALECT as CHAT_DIALECT
+from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
 from skycap.server import options as options_module
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
 from skycap.server.destinations import Destinations
-from skycap.server.drain import CONTROL_PATH, HARNESS_PATH, DrainSink, too_large_message
+from skycap.server.drain import (
+    CONTROL_PATH,
+    HARNESS_PATH,
+    MESSAGES_HARNESS_PATH,
+    DrainSink,
+    too_large_message,
+)
 from skycap.server.harness import Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
@@ -49,19 +58,46 @@ PROXIED = "skycap.proxied"
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
 RECORD = "record"
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
+MESSAGES, COUNT_TOKENS, RESPONSES = "messages", "count-tokens", "responses"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
-HARNESS_KINDS = frozenset({CHAT, MODELS, HARNESS_MISS})
+REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture (D-38)
+#: Model-call route kinds and the dialect that reads and answers each (D-29).
+CALL_DIALECTS: dict[str, Dialect] = {CHAT: CHAT_DIALECT, MESSAGES: MESSAGES_DIALECT}
+HARNESS_KINDS = frozenset({*CALL_DIALECTS, COUNT_TOKENS, RESPONSES, MODELS, HARNESS_MISS})
+#: The Responses API is routed (so it is never passed through) but not captured yet.
+RESPONSES_REFUSAL = (
+    "the Responses API (/v1/responses) is not captured by this skycap server yet; point the "
+    "harness at Chat Completions or Anthropic Messages"
+)
 # An answer larger than this is dropped once sent (mitmproxy's stream state would keep it).
 LARGE_ANSWER = 1 << 20
 
 
 # Routes that name a trajectory: prefix -> ({(tail, method): kind}, kind of any other tail).
 _NAMED = {
-    "/t/": ({("v1/chat/completions", "POST"): CHAT, ("v1/models", "GET"): MODELS}, HARNESS_MISS),
+    "/t/": (
+        {
+            ("v1/chat/completions", "POST"): CHAT,
+            ("v1/messages", "POST"): MESSAGES,
+            ("v1/messages/count_tokens", "POST"): COUNT_TOKENS,
+            ("v1/responses", "POST"): RESPONSES,
+            ("v1/responses/compact", "POST"): RESPONSES,
+            ("v1/models", "GET"): MODELS,
+        },
+        HARNESS_MISS,
+    ),
     "/trajectories/": (
         {("", "GET"): DOCUMENT, ("finish", "POST"): FINISH, ("record", "GET"): RECORD},
         MISS,
     ),
+}
+
+
+_ACCESS_TAILS = {
+    CHAT: "chat/completions",
+    MESSAGES: "messages",
+    COUNT_TOKENS: "messages/count_tokens",
+    MODELS: "models",
 }
 
 
@@ -72,6 +108,8 @@ def route(method: str, path: str) -> tuple[str, str | None]:
         if path.startswith(prefix):
             trajectory_id, _, tail = path[len(prefix) :].partition("/")
             kind = kinds.get((tail, method))
+            if kind is None and other == HARNESS_MISS and tail.startswith("v1/responses/"):
+                kind = RESPONSES if method == "GET" else None  # GET a stored response (D-40)
             return (other, None) if kind is None else (kind, trajectory_id)
     if path == "/healthz" and method == "GET":
         return HEALTH, None
@@ -80,24 +118,50 @@ def route(method: str, path: str) -> tuple[str, str | None]:
     return MISS, None
 
 
-def proxy_route(method: str, path: str) -> str:
-    """The kind of a request through the proxy listener (D-24): captured, or passed through.
+def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
+    """The kind of a request through the proxy listener (D-24, D-38).
 
-    Matching is by suffix so deployment paths (`/openai/deployments/x/chat/completions`)
-    are captured too.
+    Model calls are captured on any host, matched by suffix so deployment paths
+    (`/openai/deployments/x/chat/completions`) are captured too. Any other request to a
+    model-API host is refused, never forwarded with the harness's key; other hosts pass
+    through.
     """
     path = path.partition("?")[0]
-    if method == "POST" and path.endswith("/chat/completions"):
-        return CHAT
-    if method == "GET" and path.endswith("/models"):
-        return MODELS
-    return PASS
+    if method == "POST":
+        if path.endswith("/chat/completions"):
+            return CHAT
+        if path.endswith("/v1/messages"):
+            return MESSAGES
+        if path.endswith("/v1/messages/count_tokens"):
+            return COUNT_TOKENS
+        if path.endswith(("/v1/responses", "/v1/responses/compact")):
+            return RESPONSES
+    if method == "GET":
+        if path.endswith("/models"):
+            return MODELS
+        if "/v1/responses/" in path:
+            return RESPONSES
+    return REFUSED if model_api_host else PASS
+
+
+def dialect_of(flow: http.HTTPFlow, kind: str) -> Dialect:
+    """The dialect whose error shape a harness-route caller reads (D-36).
+
+    A model call's route names it; on other harness routes (model list, an unknown path),
+    an `anthropic-version` header says the caller is an Anthropic SDK.
+    """
+    dialect = CALL_DIALECTS.get(kind)
+    if dialect is not None:
+        return dialect
+    if kind == COUNT_TOKENS or "anthropic-version" in flow.request.headers:
+        return MESSAGES_DIALECT
+    return CHAT_DIALECT
 
 
 def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
-    """An error in the shape the route's callers read: OpenAI-shaped on harness routes."""
+    """An error in the shape the route's callers read: the dialect's on harness routes."""
     if kind in HARNESS_KINDS:
-        harness_error(flow, status, message)
+        harness_error(flow, status, message, None, dialect_of(flow, kind))
     else:
         respond(flow, status, control_error(message))
 
@@ -155,7 +219,9 @@ class SkycapAddon:
         self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
         if options.proxy_port is not None:
             destinations = Destinations(options.allow_rules, options.deny_rules)
-            self.proxy = Proxy(self.store, ensure_ca(options.confdir), destinations)
+            self.proxy = Proxy(
+                self.store, ensure_ca(options.confdir), destinations, options.model_api_hosts
+            )
         self.control = Control(self.store, self.proxy, options.control_token)
         self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
         self.harness = Harness(options, self.store, self.text, self.backend)
@@ -279,7 +345,15 @@ class SkycapAddon:
         except ProxyAuthRequired as refused:
             flow.response = refused.response()
             return ANSWERED, None
-        kind = proxy_route(flow.request.method, flow.request.path)
+        kind = proxy_route(
+            flow.request.method, flow.request.path, self.proxy.model_api_host(flow.request.host)
+        )
+        if kind == REFUSED:
+            dialect = dialect_of(flow, kind)
+            if flow.request.host == "api.anthropic.com":
+                dialect = MESSAGES_DIALECT
+            self.proxy.refuse(flow, trajectory_id, dialect)
+            return ANSWERED, trajectory_id
         if kind == PASS:
             await self.proxy.pass_through(flow, trajectory_id)
             return (ANSWERED if flow.response is not None else PASS), trajectory_id
@@ -305,7 +379,12 @@ class SkycapAddon:
             flow.metadata[ROUTE] = (OVERSIZE, None)
             data = flow.request.data
             data.scheme, data.host, data.port = b"http", "127.0.0.1", self.sink.port
-            data.path = HARNESS_PATH if kind in HARNESS_KINDS else CONTROL_PATH
+            if kind not in HARNESS_KINDS:
+                data.path = CONTROL_PATH
+            elif dialect_of(flow, kind) is MESSAGES_DIALECT:
+                data.path = MESSAGES_HARNESS_PATH
+            else:
+                data.path = HARNESS_PATH
             flow.request.stream = True
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -326,11 +405,15 @@ class SkycapAddon:
         assert self.options is not None
         if len(raw) > self.options.max_body_size:
             _refuse(flow, kind, 413, too_large_message(len(raw), self.options.max_body_size))
-        elif kind == CHAT or kind == MODELS:
+        elif kind in CALL_DIALECTS or kind == MODELS or kind == COUNT_TOKENS:
             await self._harness(flow, kind, trajectory_id, raw)
+        elif kind == RESPONSES:
+            logger.info("refused %s %s: not captured yet", flow.request.method, flow.request.path)
+            harness_error(flow, 404, RESPONSES_REFUSAL, "route_not_captured")
         elif kind == HARNESS_MISS:
             path = flow.request.path.partition("?")[0]
-            harness_error(flow, 404, f"no route {flow.request.method} {path}")
+            message = f"no route {flow.request.method} {path}"
+            harness_error(flow, 404, message, None, dialect_of(flow, kind))
         elif kind == MISS:
             path = flow.request.path.partition("?")[0]
             respond(flow, 404, control_error(f"no route {flow.request.method} {path}"))
@@ -355,9 +438,12 @@ class SkycapAddon:
         assert trajectory_id is not None
         proxied = flow.metadata.get(PROXIED, False)
         if kind == MODELS:
-            await self.harness.models(flow, trajectory_id, proxied)
+            await self.harness.models(flow, trajectory_id, proxied, dialect_of(flow, kind))
             return
-        call = await self.harness.chat(flow, trajectory_id, proxied, raw)
+        if kind == COUNT_TOKENS:
+            await self.harness.count_tokens(flow, trajectory_id, proxied, raw, MESSAGES_DIALECT)
+            return
+        call = await self.harness.call(flow, trajectory_id, proxied, raw, CALL_DIALECTS[kind])
         if call is not None:
             flow.metadata[CALL] = call  # the response hooks complete it
 
@@ -369,7 +455,7 @@ class SkycapAddon:
         if kind == CREATE:
             return self.control.create(raw, self._origin(flow))
         if kind == LIST:
-            return self.control.listing()
+            return self.control.listing(flow.request.query.get("ended"))
         if kind == FINISH:
             assert trajectory_id is not None
             return await self.control.finish(trajectory_id, raw)
@@ -416,19 +502,22 @@ class SkycapAddon:
         with _logged(flow, "error"):
             if call is not None:
                 call.on_error(flow)
-            elif self.text is not None and flow.metadata.get(ROUTE, (None,))[0] == MODELS:
-                self.text.on_models_error(flow)
+            elif self.text is not None:
+                kind = flow.metadata.get(ROUTE, (None,))[0]
+                if kind == MODELS or kind == COUNT_TOKENS:
+                    self.text.on_forward_error(flow, dialect_of(flow, kind))
         _release_request_body(flow)
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, None)
 
     def _access(self, flow: http.HTTPFlow, status: int | None) -> None:
         kind, trajectory_id = flow.metadata.get(ROUTE, (None, None))
-        if kind not in (CHAT, MODELS):
+        tail = _ACCESS_TAILS.get(kind)
+        if tail is None:
             return
         elapsed = (time.time() - flow.request.timestamp_start) * 1000.0
         outcome = str(status) if status is not None else f"error ({flow.error})"
-        path = f"/t/{trajectory_id}/v1/{'chat/completions' if kind == CHAT else 'models'}"
+        path = f"/t/{trajectory_id}/v1/{tail}"
         if flow.metadata.get(PROXIED):
             path = f"{path} (through the proxy)"
         access_log.info("%s %s %s %.1f ms", flow.request.method, path, outcome, elapsed)

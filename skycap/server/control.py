@@ -124,8 +124,15 @@ class Control:
         # D-44: a record that cannot be written makes the server unhealthy.
         return Answer.json(200 if health["ok"] else 503, health)
 
-    def listing(self) -> Answer:
-        return Answer.json(200, self.store.listing())
+    def listing(self, ended: str | None = None) -> Answer:
+        """`GET /trajectories` (live, D-7) or `?ended=recent` (the ring of D-49)."""
+        if ended is None:
+            return Answer.json(200, self.store.listing())
+        if ended != "recent":
+            return Answer.error(
+                400, f"`ended` must be `recent` (the last trajectories ended), got {ended!r}"
+            )
+        return Answer.json(200, self.store.recent())
 
     def create(self, raw: bytes, origin: str) -> Answer:
         """`origin` is `scheme://host[:port]` as the trainer reached us (D-9)."""
@@ -137,6 +144,7 @@ class Control:
         created = {
             "id": live.id,
             "base_url": f"{origin}/t/{live.id}/v1",
+            "anthropic_base_url": f"{origin}/t/{live.id}",  # D-48: ANTHROPIC_BASE_URL
             "api_key": live.api_key.decode("ascii"),
         }
         if self.proxy is not None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from skycap.wire import control_error, openai_error
+from skycap.dialects.chat import openai_error
+from skycap.dialects.messages import anthropic_error
+from skycap.wire import control_error
 
 HARNESS_PATH = b"/harness"
+MESSAGES_HARNESS_PATH = b"/harness/messages"  # an Anthropic caller: its error shape (D-36)
 CONTROL_PATH = b"/control"
 _READ = 1 << 20
 
@@ -60,6 +63,8 @@ class DrainSink:
                 message = too_large_message(size, self.limit)
                 if path == HARNESS_PATH:
                     body = openai_error(413, message)
+                elif path == MESSAGES_HARNESS_PATH:
+                    body = anthropic_error(413, message)
                 else:
                     body = control_error(message)
                 writer.write(

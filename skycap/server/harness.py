@@ -1,36 +1,39 @@
 """The harness routes of http.md §3: admit a call, check its body, de-duplicate retries, run it.
 
-The addon hands a chat or model-list call here once its body is read and within
-`--max-body-size` (D-10), whether it came as `/t/{id}/v1/...` or through the proxy
-listener (D-24). Text mode then forwards it through mitmproxy (`textmode`); token mode
-answers it from the token backend, running the turn as its own task so that a client
-disconnect does not cancel it (http.md §5).
+The addon hands a model call (with its dialect, skycap.dialects) or a model-list call
+here once its body is read and within `--max-body-size` (D-10), whether it came as
+`/t/{id}/v1/...` or through the proxy listener (D-24). Text mode then forwards it
+through mitmproxy (`textmode`); token mode answers it from the token backend, running the
+turn as its own task so that a client disconnect does not cancel it (http.md §5).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import orjson
 from mitmproxy import http
 
-from skycap.server.keys import authorized, bearer_key, raw_header
+from skycap.dialects import Dialect
+from skycap.dialects.chat import DIALECT as CHAT
+from skycap.dialects.messages import DIALECT as MESSAGES
+from skycap.dialects.messages import models_listing
+from skycap.server.keys import authorized, bearer_key, key_matches, raw_header
 from skycap.server.options import ServerOptions
 from skycap.server.retry import Conflict, Entry, Replay, call_key
 from skycap.server.store import SHUTTING_DOWN, UNKNOWN, Live, TrajectoryStore
 from skycap.server.textmode import TextCall, TextMode
 from skycap.trajectory import is_trajectory_id
-from skycap.wire import BodyError, check_chat_request, openai_error, parse_json_body
+from skycap.wire import BodyError, parse_json_body
 
 logger = logging.getLogger("skycap.server")
 
 _JSON = ((b"content-type", b"application/json"),)
 NO_UPSTREAM = (
     "no --upstream-url configured: this server forwards only calls made through its proxy "
-    "port (D-8)"
+    "port; start it with --upstream-url to take /t/{id}/v1 calls"
 )
 
 
@@ -39,9 +42,15 @@ def respond(flow: http.HTTPFlow, status: int, body: bytes, headers: Any = _JSON)
     flow.response = http.Response.make(status, body, headers)
 
 
-def harness_error(flow: http.HTTPFlow, status: int, message: str, code: str | None = None) -> None:
-    """Answer with the OpenAI-shaped error an SDK reads (http.md §1)."""
-    respond(flow, status, openai_error(status, message, code))
+def harness_error(
+    flow: http.HTTPFlow,
+    status: int,
+    message: str,
+    code: str | None = None,
+    dialect: Dialect = CHAT,
+) -> None:
+    """Answer with the error body the caller's SDK reads, in its dialect (http.md §1, D-36)."""
+    respond(flow, status, dialect.error(status, message, code))
 
 
 class Harness:
@@ -62,47 +71,84 @@ class Harness:
         self.text = text
         self.backend = backend
 
-    async def models(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> None:
-        """The model list: the upstream's, forwarded (text), or the backend's (tokens)."""
-        live = await self._admit(flow, trajectory_id, proxied)
+    async def models(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
+    ) -> None:
+        """The model list: the upstream's, forwarded (text), or the backend's (tokens).
+
+        Token mode answers an Anthropic caller (`anthropic-version`) in Anthropic's shape.
+        """
+        live = await self._admit(flow, trajectory_id, proxied, dialect)
         if live is None:
             return
         live.touch()
         if self.text is not None:
             self.text.forward(flow, b"/models")
-        else:
-            reply = await self.backend.models()
-            respond(flow, reply.status, reply.body, reply.headers)
+            return
+        reply = await self.backend.models()
+        body = reply.body
+        if dialect is MESSAGES:
+            body = models_listing(reply.status, body)
+        respond(flow, reply.status, body, reply.headers)
 
-    async def chat(
-        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, raw: bytes
+    async def count_tokens(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, raw: bytes, dialect: Dialect
+    ) -> None:
+        """`POST …/v1/messages/count_tokens`: forwarded (text), the rendered length (tokens).
+
+        Not a model call: nothing is recorded.
+        """
+        live = await self._admit(flow, trajectory_id, proxied, dialect)
+        if live is None:
+            return
+        try:
+            request = dialect.read(parse_json_body(raw))
+        except BodyError as exc:
+            harness_error(flow, 400, str(exc), None, dialect)
+            return
+        live.touch()
+        if self.text is not None:
+            self.text.forward(flow, dialect.upstream_path + b"/count_tokens")
+            return
+        counted = await self.backend.count_tokens(request, dialect)
+        if isinstance(counted, int):
+            respond(flow, 200, orjson.dumps({"input_tokens": counted}))
+        else:
+            respond(flow, counted.status, counted.body, counted.headers)
+
+    async def call(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, raw: bytes, dialect: Dialect
     ) -> TextCall | None:
         """Steps 1-5 of http.md §3, then the call; returns a text-mode call to the hooks."""
-        live = await self._admit(flow, trajectory_id, proxied)
+        live = await self._admit(flow, trajectory_id, proxied, dialect)
         if live is None:
             return None
         try:
-            body = check_chat_request(parse_json_body(raw))
+            request = dialect.read(parse_json_body(raw))
         except BodyError as exc:
-            harness_error(flow, 400, str(exc))
+            harness_error(flow, 400, str(exc), None, dialect)
             return None
-        entry = await self._deduplicate(flow, live, raw)
+        entry = await self._deduplicate(flow, live, raw, dialect)
         if entry is None:
             return None
         if self.text is not None:
-            return self.text.start_chat(flow, live, body, entry)
-        await self._token_chat(flow, live, body, entry)
+            return self.text.start_call(flow, live, request, entry, dialect)
+        await self._token_call(flow, live, request, entry, dialect)
         return None
 
-    async def _admit(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+    async def _admit(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
+    ) -> Live | None:
         """The gate, then whether this server can forward the call at all (D-8)."""
-        live = await self._gate(flow, trajectory_id, proxied)
+        live = await self._gate(flow, trajectory_id, proxied, dialect)
         if live is None or self.text is None or self.text.has_upstream or proxied:
             return live
-        harness_error(flow, 502, NO_UPSTREAM)
+        harness_error(flow, 502, NO_UPSTREAM, None, dialect)
         return None
 
-    async def _gate(self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool) -> Live | None:
+    async def _gate(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
+    ) -> Live | None:
         """Steps 1-3 of http.md §3; answers the flow and returns None when a step fails.
 
         Through the proxy, step 3 already happened on the proxy credentials (D-24): the
@@ -111,11 +157,10 @@ class Harness:
         live = self.store.get(trajectory_id) if is_trajectory_id(trajectory_id) else None
         if live is None:
             if self.store.on_disk(trajectory_id):
-                harness_error(
-                    flow, 410, await self._ended_message(trajectory_id), "trajectory_closed"
-                )
+                message = await self._ended_message(trajectory_id)
+                harness_error(flow, 410, message, "trajectory_closed", dialect)
             else:
-                harness_error(flow, 404, UNKNOWN)
+                harness_error(flow, 404, UNKNOWN, None, dialect)
             return None
         if live.closed is not None:
             # D-44: closed to calls with its status unchanged (shutdown, or rebuilt from a
@@ -127,12 +172,15 @@ class Harness:
             return None
         if not live.trajectory.is_open:
             status = live.trajectory.status
-            harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed")
+            harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed", dialect)
             return None
         if self.require_api_key and not proxied:
-            header = raw_header(flow.request.headers.fields, b"authorization")
-            if not authorized(header, live.api_key):
-                harness_error(flow, 401, key_refusal(header), "invalid_api_key")
+            fields = flow.request.headers.fields
+            header = raw_header(fields, b"authorization")
+            api_key = raw_header(fields, b"x-api-key")
+            if not authorized(header, live.api_key) and not key_matches(api_key, live.api_key):
+                message = key_refusal(header, api_key)
+                harness_error(flow, 401, message, "invalid_api_key", dialect)
                 return None
         return live
 
@@ -145,7 +193,9 @@ class Harness:
             )
         return "trajectory has ended"
 
-    async def _deduplicate(self, flow: http.HTTPFlow, live: Live, raw: bytes) -> Entry | None:
+    async def _deduplicate(
+        self, flow: http.HTTPFlow, live: Live, raw: bytes, dialect: Dialect
+    ) -> Entry | None:
         """Step 5 (http.md §5): answer a retry from its original, or register this call."""
         headers = flow.request.headers
         key = call_key(raw, headers.get("x-stainless-retry-count"), headers.get("idempotency-key"))
@@ -153,7 +203,7 @@ class Harness:
             try:
                 found = await live.retries.lookup(key)
             except Conflict as exc:
-                harness_error(flow, 400, str(exc))
+                harness_error(flow, 400, str(exc), None, dialect)
                 return None
             if found is not None:
                 counters = live.trajectory.retries
@@ -165,16 +215,15 @@ class Harness:
                 return None
             if not live.trajectory.is_open or self.store.get(live.id) is not live:
                 status = live.trajectory.status
-                harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed")
+                harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed", dialect)
                 return None
         return live.retries.register(key)
 
-    async def _token_chat(
-        self, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
+    async def _token_call(
+        self, flow: http.HTTPFlow, live: Live, request: Any, entry: Entry, dialect: Dialect
     ) -> None:
         """Run the turn as its own task (a client disconnect does not cancel it); sealing does."""
-        t_start = time.time()
-        task = asyncio.ensure_future(self.backend.chat(live.trajectory, body))
+        task = asyncio.ensure_future(self.backend.call(live.trajectory, request, dialect))
         live.inflight[task] = task.cancel
         live.touch()
         try:
@@ -185,7 +234,8 @@ class Harness:
             reply = None
         except Exception as exc:  # a backend bug must not take the connection's hook down
             logger.warning("token-mode call of %s failed: %r", live.id, exc)
-            harness_error(flow, 500, f"token mode failed: {type(exc).__name__}: {exc}")
+            message = f"token mode failed: {type(exc).__name__}: {exc}"
+            harness_error(flow, 500, message, None, dialect)
             reply = None
         finally:
             live.inflight.pop(task, None)
@@ -197,42 +247,23 @@ class Harness:
             return
         fields = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
         entry.settle(Replay.of(reply.status, fields, reply.body) if reply.replayable else None)
-        if reply.headers.get("x-skycap-status") == "ok":
-            self.store.note_commit(live, _token_call(reply.body, t_start))
+        if reply.call is not None:
+            self.store.note_commit(live, reply.call)
         elif not live.trajectory.is_open:
             live.cancel_inflight()
         respond(flow, reply.status, reply.body, reply.headers)
 
 
-def key_refusal(header: bytes | None) -> str:
-    """The 401 message (http.md §3 step 3), saying why when a key was sent."""
+def key_refusal(header: bytes | None, api_key: bytes | None = None) -> str:
+    """The 401 message (http.md §3 step 3), saying why when a key was sent.
+
+    The key may come as `Authorization: Bearer` or as `x-api-key` (Anthropic SDKs).
+    """
     message = "this trajectory's api_key is required"
+    if api_key:
+        return f"{message}: the key sent is not this trajectory's"
     if not header:
         return message
     if bearer_key(header) is None:
-        return f"{message}: send it as `Authorization: Bearer <api_key>`"
+        return f"{message}: send it as `Authorization: Bearer <api_key>` or `x-api-key`"
     return f"{message}: the key sent is not this trajectory's"
-
-
-def _token_call(body: bytes, t_start: float) -> dict[str, Any]:
-    """What /healthz and `GET /trajectories` count of a committed token-mode reply (D-7).
-
-    The reply is JSON, or a synthesised SSE body whose last JSON chunk carries usage and
-    the finish reason (http.md §9.6-§9.7).
-    """
-    summary: dict[str, Any] = {"t_start": t_start, "t_end": time.time()}
-    chunk: Any = None
-    try:
-        if body.startswith(b"{"):
-            chunk = orjson.loads(body)
-        else:
-            events = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
-            chunk = orjson.loads(events[-1][6:]) if events else None
-    except orjson.JSONDecodeError:
-        chunk = None
-    if isinstance(chunk, dict):
-        summary["usage"] = chunk.get("usage")
-        choices = chunk.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            summary["finish_reason"] = choices[0].get("finish_reason")
-    return summary

@@ -60,6 +60,11 @@ def authorized(header: bytes | None, key: bytes) -> bool:
     return sent is not None and hmac.compare_digest(sent, key)
 
 
+def key_matches(value: bytes | None, key: bytes) -> bool:
+    """Whether a bare key header (`x-api-key`, as Anthropic SDKs send it) carries `key`."""
+    return bool(value) and hmac.compare_digest(value.strip(_WHITESPACE), key)
+
+
 def basic_credentials(header: bytes) -> tuple[bytes, bytes] | None:
     """(user, password) of a `Basic` header value (`Proxy-Authorization`), None if malformed.
 

@@ -23,6 +23,9 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
 | `--keep-special-tokens` | `keep_special_tokens` | `skycap_keep_special_tokens` |
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
+| `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
+| `--upstream-auth {bearer,x-api-key}` | `upstream_auth` (D-37) | `skycap_upstream_auth` |
+| `--model-api-host HOST` (repeat) | `model_api_hosts` (D-38) | `skycap_model_api_host` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
 | `--journal-fsync` | `journal_fsync` (D-44) | `skycap_journal_fsync` |
@@ -65,11 +68,28 @@ import orjson
 
 from skycap.certs import default_confdir
 from skycap.control_token import check_control_token, new_control_token
+from skycap.dialects.chat import REASONING_FIELDS
 from skycap.record.mirror import MirrorConfig, open_store
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
 from skycap.server.destinations import Rule, parse_rule
 
 MODES = ("text", "tokens")
+UPSTREAM_AUTH = ("bearer", "x-api-key")
+#: D-38: hosts whose every uncaptured route is refused through the proxy, never forwarded.
+MODEL_API_HOSTS = (
+    "api.openai.com",
+    "api.anthropic.com",
+    "*.openai.azure.com",
+    "generativelanguage.googleapis.com",
+    "*-aiplatform.googleapis.com",
+    "bedrock-runtime.*.amazonaws.com",
+    "openrouter.ai",
+    "api.together.xyz",
+    "api.fireworks.ai",
+    "api.deepseek.com",
+    "api.mistral.ai",
+    "api.groq.com",
+)
 DEFAULT_API_KEY_ENV = "SKYCAP_UPSTREAM_API_KEY"
 GIB = 1 << 30
 
@@ -100,6 +120,9 @@ class ServerOptions:
     use_raw_content: bool = False
     keep_special_tokens: bool = False
     generation_config: str | None = None
+    reasoning_field: str = "both"
+    upstream_auth: str | None = None
+    model_api_hosts: tuple[str, ...] = MODEL_API_HOSTS
     record_dir: str | Path | None = None
     record_host: str | None = None
     journal_fsync: bool = False
@@ -133,6 +156,7 @@ class ServerOptions:
         self._check_mode()
         self._check_upstream()
         self._check_numbers()
+        self._check_choices()
         self._check_mappings()
         self._settle_control_token()
         if self.record_dir is not None:
@@ -245,6 +269,25 @@ class ServerOptions:
                 )
         if self.max_model_len is not None:
             _integer(self.max_model_len, "max_model_len", low=1)
+
+    def _check_choices(self) -> None:
+        if self.reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"{_name('reasoning_field')} must be one of {', '.join(REASONING_FIELDS)}, "
+                f"got {self.reasoning_field!r}"
+            )
+        if self.upstream_auth is not None and self.upstream_auth not in UPSTREAM_AUTH:
+            raise ValueError(
+                f"{_name('upstream_auth')} must be one of {', '.join(UPSTREAM_AUTH)}, "
+                f"got {self.upstream_auth!r}"
+            )
+        hosts = self.model_api_hosts
+        if isinstance(hosts, str) or not all(isinstance(h, str) and h for h in hosts):
+            raise ValueError(
+                f"{_name('model_api_hosts')} must be a sequence of host names or patterns, "
+                f"got {hosts!r}"
+            )
+        object.__setattr__(self, "model_api_hosts", tuple(h.lower() for h in hosts))
 
     def _settle_control_token(self) -> None:
         """D-30: the control token is the one given, else generated here, unless turned off."""
@@ -412,12 +455,12 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--mode", "mode", "capture mode", default="text", choices=MODES),
+    Flag("--mode", "mode", "capture mode (default text)", default="text", choices=MODES),
     Flag(
         "--upstream-url",
         "upstream_url",
         "text mode: the model server's OpenAI base URL including /v1; token mode: the "
-        "engine root (required, except in text mode with --proxy-port)",
+        "engine root (no default: required, except in text mode with --proxy-port)",
         metavar="URL",
     ),
     Flag(
@@ -445,8 +488,18 @@ FLAGS: tuple[Flag, ...] = (
         default="8080",
         addon=False,
     ),
-    Flag("--tokenizer", "tokenizer", "token mode: tokenizer name or folder", metavar="NAME"),
-    Flag("--renderer", "renderer_name", "token mode: renderer name", metavar="NAME"),
+    Flag(
+        "--tokenizer",
+        "tokenizer",
+        "token mode: tokenizer name or folder (no default: required in token mode)",
+        metavar="NAME",
+    ),
+    Flag(
+        "--renderer",
+        "renderer_name",
+        "token mode: renderer name (default: chosen from the tokenizer's name)",
+        metavar="NAME",
+    ),
     Flag(
         "--renderer-pool-size",
         "renderer_pool_size",
@@ -457,7 +510,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--chat-template-kwargs",
         "chat_template_kwargs",
-        "token mode: JSON object passed to the chat template",
+        "token mode: JSON object passed to the chat template (default: none)",
         convert=_json_object("--chat-template-kwargs"),
         metavar="JSON",
     ),
@@ -470,18 +523,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--max-model-len",
         "max_model_len",
-        "token mode: context length used to clamp max_tokens and refuse long prompts",
+        "token mode: context length used to clamp max_tokens and refuse long prompts "
+        "(default: no limit)",
         convert=_number(int, "--max-model-len"),
         metavar="N",
     ),
     Flag(
         "--sampling-overrides",
         "sampling_overrides",
-        "token mode: JSON object of sampling parameters imposed on every call",
+        "token mode: JSON object of sampling parameters imposed on every call (default: none)",
         convert=_json_object("--sampling-overrides"),
         metavar="JSON",
     ),
-    Flag("--sampling-mask", "sampling_mask", "token mode: ask for sampling masks", convert=None),
+    Flag(
+        "--sampling-mask",
+        "sampling_mask",
+        "token mode: ask for sampling masks (default off)",
+        convert=None,
+    ),
     Flag(
         "--logprobs-mode",
         "logprobs_mode",
@@ -492,7 +551,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--use-raw-content",
         "use_raw_content",
-        "token mode: reply with the completion's raw decoded text",
+        "token mode: reply with the completion's raw decoded text (default off: parsed)",
         convert=None,
     ),
     Flag(
@@ -510,9 +569,17 @@ FLAGS: tuple[Flag, ...] = (
         metavar="auto|none|PATH",
     ),
     Flag(
+        "--reasoning-field",
+        "reasoning_field",
+        "token mode: the chat reply key(s) carrying the reasoning text (default both)",
+        default="both",
+        choices=REASONING_FIELDS,
+    ),
+    Flag(
         "--record-dir",
         "record_dir",
-        "record directory; without it trajectories stay in memory and never expire",
+        "record directory (skycap serve: default ./records, --no-record-dir keeps records in "
+        "memory only; mitmdump and CaptureService: none, memory only)",
         metavar="DIR",
     ),
     Flag(
@@ -525,21 +592,21 @@ FLAGS: tuple[Flag, ...] = (
         "--journal-fsync",
         "journal_fsync",
         "fsync each crash-journal line before the answer (survives power loss, not only a "
-        "killed server; costs a disk flush per call)",
+        "killed server; costs a disk flush per call; default off)",
         convert=None,
     ),
     Flag(
         "--record-mirror",
         "record_mirror",
         "also copy every record, in the background, to this fsspec URL (s3://bucket/prefix, "
-        "gs://..., file:///...); needs the remote extra and --record-dir",
+        "gs://..., file:///...); needs the remote extra and --record-dir (default: none)",
         metavar="URL",
     ),
     Flag(
         "--record-mirror-config",
         "record_mirror_config",
         "JSON object: exclude, workers, queue_size, timeout, attempts, backoff, "
-        "shutdown_timeout, storage_options (passed to fsspec)",
+        "shutdown_timeout, storage_options (passed to fsspec; default: none)",
         convert=_json_object("--record-mirror-config"),
         metavar="JSON",
     ),
@@ -553,7 +620,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--path-rule",
         "path_rules",
-        "custom path rule, repeatable; without NAME= it is named by its import path",
+        "custom path rule, repeatable; without NAME= it is named by its import path "
+        "(default: only the built-in rules)",
         convert=_path_rules,
         metavar="[NAME=]MODULE:FUNCTION",
         repeat=True,
@@ -561,7 +629,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--require-api-key",
         "require_api_key",
-        "require each trajectory's api_key on the harness routes",
+        "require each trajectory's api_key on the harness routes (default off)",
         convert=None,
     ),
     Flag(
@@ -580,10 +648,27 @@ FLAGS: tuple[Flag, ...] = (
         metavar="SECONDS",
     ),
     Flag(
+        "--upstream-auth",
+        "upstream_auth",
+        "how the upstream key is sent: bearer (Authorization), or x-api-key (default: "
+        "x-api-key for api.anthropic.com, else bearer)",
+        choices=UPSTREAM_AUTH,
+        metavar="{bearer,x-api-key}",
+    ),
+    Flag(
+        "--model-api-host",
+        "model_api_hosts",
+        "through the proxy, a host (fnmatch pattern) whose uncaptured routes are refused, "
+        "never forwarded; repeatable, replaces the default list (docs/proxy.md)",
+        convert=tuple,
+        metavar="HOST",
+        repeat=True,
+    ),
+    Flag(
         "--proxy-port",
         "proxy_port",
         "also listen as an HTTPS_PROXY on this port (0 lets the OS choose); a trajectory is "
-        "named by the proxy credentials that POST /trajectories returns",
+        "named by the proxy credentials that POST /trajectories returns (default: off)",
         convert=_number(int, "--proxy-port"),
         metavar="PORT",
         addon=False,
@@ -601,7 +686,7 @@ FLAGS: tuple[Flag, ...] = (
         "--proxy-deny",
         "proxy_deny",
         "refuse pass-through to this host, address or network too (repeatable; wins over "
-        "--proxy-allow)",
+        "--proxy-allow; default: none)",
         convert=tuple,
         metavar="HOST|CIDR[:PORT]",
         repeat=True,
@@ -632,7 +717,7 @@ FLAGS: tuple[Flag, ...] = (
         "--no-control-token",
         "no_control_token",
         "serve the control routes without a credential: any harness can then list, create "
-        "and finish trajectories (a warning at start)",
+        "and finish trajectories (a warning at start; default off)",
         convert=None,
     ),
 )

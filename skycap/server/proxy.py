@@ -13,10 +13,13 @@ messages (D-24):
 * a plain-HTTP request in absolute form (no CONNECT) carries its own credentials and is
   checked the same way, request by request.
 
-Inside a tunnel, chat-completions and model-list calls are captured by the addon exactly
-like `/t/{id}/v1` calls; everything else passes through unchanged (streamed both ways,
-never buffered) and is counted per host. Passing through needs an open trajectory, so an
-ended trajectory's id, which is no secret, never turns skycap into an open relay; and it
+Inside a tunnel, model calls (Chat Completions, Anthropic Messages and its count_tokens,
+model lists) are captured by the addon exactly like `/t/{id}/v1` calls, on any host. Any
+other request to a model-API host (`--model-api-host`, D-38) is refused in the caller's
+error shape and never forwarded with the harness's key; everything else passes through
+unchanged (streamed both ways, never buffered). Refusals and pass-throughs are each an
+`info` line and a per-host count in /healthz. Passing through needs an open trajectory, so
+an ended trajectory's id, which is no secret, never turns skycap into an open relay; and it
 never reaches loopback or link-local addresses unless `--proxy-allow` says so (D-43,
 `destinations`). A tunnel that carries something other than HTTP (raw TCP) obeys the
 same two rules.
@@ -25,7 +28,10 @@ same two rules.
 from __future__ import annotations
 
 import collections
+import fnmatch
 import hmac
+import logging
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,11 +39,14 @@ from mitmproxy import http, tcp
 from mitmproxy.proxy.mode_specs import RegularMode
 
 from skycap.certs import CertAuthority
+from skycap.dialects import Dialect
+from skycap.dialects.chat import openai_error
 from skycap.server.destinations import Destinations
 from skycap.server.keys import basic_credentials, raw_header
 from skycap.server.store import Live, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
-from skycap.wire import openai_error
+
+logger = logging.getLogger("skycap.server")
 
 REALM = 'Basic realm="skycap"'
 _JSON = "application/json"
@@ -74,15 +83,20 @@ class Proxy:
     """Credentials, tunnels and pass-through counts for the proxy listener (one per server)."""
 
     def __init__(
-        self, store: TrajectoryStore, ca: CertAuthority, destinations: Destinations
+        self,
+        store: TrajectoryStore,
+        ca: CertAuthority,
+        destinations: Destinations,
+        model_api_hosts: Sequence[str] = (),
     ) -> None:
         self.store = store
         self.ca = ca
         self.destinations = destinations
+        self.model_api_hosts = tuple(model_api_hosts)
+        self.refused: collections.Counter[str] = collections.Counter()
         self.port: int | None = None  # the bound port, known once the listener runs
         self._tunnels: dict[str, str] = {}  # client connection id -> trajectory id
         self.passed_through: collections.Counter[str] = collections.Counter()
-        self.refused: collections.Counter[str] = collections.Counter()
 
     @staticmethod
     def serves(flow: http.HTTPFlow | tcp.TCPFlow) -> bool:
@@ -141,6 +155,27 @@ class Proxy:
 
     # -- traffic that is not captured ----------------------------------------------------------
 
+    def model_api_host(self, host: str) -> bool:
+        """Whether `host` is a model-API host (D-38): its uncaptured routes are refused."""
+        host = host.lower().rstrip(".")
+        return any(fnmatch.fnmatchcase(host, pattern) for pattern in self.model_api_hosts)
+
+    def refuse(self, flow: http.HTTPFlow, trajectory_id: str, dialect: Dialect) -> None:
+        """Answer an uncaptured route of a model-API host: 403, never forwarded (D-38)."""
+        request = flow.request
+        route = f"{request.method} {request.host}{request.path.partition('?')[0]}"
+        self.refused[request.host] += 1
+        logger.info("proxy: refused %s for %s: not a captured model route", route, trajectory_id)
+        message = (
+            f"skycap does not capture {route}: on a model-API host only model calls "
+            "(chat/completions, v1/messages, v1/messages/count_tokens, models) are "
+            "captured, and any other route is refused rather than forwarded with the "
+            "harness's key"
+        )
+        flow.response = http.Response.make(
+            403, dialect.error(403, message, "route_not_captured"), {"content-type": _JSON}
+        )
+
     async def pass_through(self, flow: http.HTTPFlow, trajectory_id: str) -> None:
         """Stream a request the harness makes beside its model calls, unchanged; count its host.
 
@@ -162,6 +197,12 @@ class Proxy:
             return
         live.touch()
         self.passed_through[flow.request.host] += 1
+        logger.info(
+            "proxy: passed through %s %s for %s",
+            flow.request.method,
+            flow.request.host,
+            trajectory_id,
+        )
         flow.request.stream = True
 
     async def tcp_start(self, flow: tcp.TCPFlow) -> None:
@@ -191,6 +232,10 @@ class Proxy:
             "env": {
                 "HTTPS_PROXY": proxy_url,
                 "SSL_CERT_FILE": str(self.ca.bundle),
+                # D-48: Node (Claude Code, the Node SDKs) and Codex read their own names.
+                "NODE_EXTRA_CA_CERTS": str(self.ca.bundle),
+                "NODE_USE_ENV_PROXY": "1",
+                "CODEX_CA_CERTIFICATE": str(self.ca.bundle),
                 "NO_PROXY": host,
             },
         }

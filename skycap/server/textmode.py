@@ -22,13 +22,13 @@ from typing import Any
 import orjson
 from mitmproxy import http
 
+from skycap.dialects import Dialect, Request
+from skycap.dialects.sse import StreamError
 from skycap.server.conns import Connections
 from skycap.server.options import ServerOptions
 from skycap.server.retry import Entry, Replay
 from skycap.server.store import Live, TrajectoryStore
 from skycap.text.commit import commit_text_call
-from skycap.text.stream import StreamAssembler, StreamError
-from skycap.wire import openai_error, recorded_sampling
 
 logger = logging.getLogger("skycap.server")
 
@@ -36,6 +36,7 @@ logger = logging.getLogger("skycap.server")
 _DROPPED = frozenset(
     {
         b"authorization",
+        b"x-api-key",
         b"proxy-authorization",
         b"host",
         b"content-length",
@@ -48,6 +49,7 @@ _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
 #: connection closes after it (the header itself is hop-by-hop and not forwarded).
 CLOSE_AFTER = "skycap.close_after"
 _EVENT_STREAM = "text/event-stream"
+ANTHROPIC_HOST = "api.anthropic.com"
 
 
 class TextMode:
@@ -56,9 +58,8 @@ class TextMode:
     def __init__(self, options: ServerOptions, store: TrajectoryStore, conns: Connections) -> None:
         self.store = store
         self.conns = conns
-        self._auth: tuple[tuple[bytes, bytes], ...] = ()
-        if options.api_key:
-            self._auth = ((b"authorization", b"Bearer " + options.api_key.encode()),)
+        self._key = options.api_key.encode() if options.api_key else None
+        self._auth_style = options.upstream_auth
         self.has_upstream = bool(options.upstream_url)
         if self.has_upstream:
             scheme, host, port = options.upstream_origin
@@ -69,7 +70,7 @@ class TextMode:
             authority = host if ":" not in host else f"[{host}]"
             host_header = authority if port == default_port else f"{authority}:{port}"
             self._base = options.upstream_path.encode()
-            self._added = ((b"host", host_header.encode()), *self._auth)
+            self._added = ((b"host", host_header.encode()), *self._auth(host))
         self.timeout = options.upstream_timeout
 
     def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
@@ -86,7 +87,7 @@ class TextMode:
             data.path = self._base + suffix
             dropped, added = _DROPPED, self._added
         else:
-            dropped, added = _DROPPED_KEEP_HOST, self._auth
+            dropped, added = _DROPPED_KEEP_HOST, self._auth(flow.request.host)
         if any(
             k.lower() == b"connection" and b"close" in v.lower() for k, v in data.headers.fields
         ):
@@ -96,22 +97,32 @@ class TextMode:
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
         data.headers.fields = kept + added + length
 
-    def on_models_error(self, flow: http.HTTPFlow) -> None:
-        """A forwarded model list failed before any reply: skycap's 502, not mitmproxy's page."""
+    def _auth(self, host: str) -> tuple[tuple[bytes, bytes], ...]:
+        """The upstream key's header for `host` (D-37): `x-api-key` for api.anthropic.com or
+        with `--upstream-auth x-api-key`, else a Bearer token (all vLLM's auth reads)."""
+        if self._key is None:
+            return ()
+        style = self._auth_style or ("x-api-key" if host == ANTHROPIC_HOST else "bearer")
+        if style == "x-api-key":
+            return ((b"x-api-key", self._key),)
+        return ((b"authorization", b"Bearer " + self._key),)
+
+    def on_forward_error(self, flow: http.HTTPFlow, dialect: Dialect) -> None:
+        """A forwarded model list or token count failed before any reply: skycap's 502."""
         if flow.response is None and flow.error and not flow.error.msg.startswith("Client"):
             message = f"upstream unavailable: {flow.error.msg}"
-            self.conns.respond(flow, 502, openai_error(502, message))
+            self.conns.respond(flow, 502, dialect.error(502, message))
 
-    def start_chat(
-        self, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
+    def start_call(
+        self, flow: http.HTTPFlow, live: Live, request: Request, entry: Entry, dialect: Dialect
     ) -> TextCall:
-        call = TextCall(self, flow, live, body, entry)
-        self.forward(flow, b"/chat/completions")
+        call = TextCall(self, flow, live, request, entry, dialect)
+        self.forward(flow, dialect.upstream_path)
         return call
 
 
 class TextCall:
-    """One forwarded chat call: its timing, its stream tap and its outcome (exactly once).
+    """One forwarded model call: its timing, its stream tap and its outcome (exactly once).
 
     The flow holds the call (its metadata, its response's stream tap); the call holds the
     flow only weakly, so no reference cycle keeps a large request alive after the call
@@ -123,8 +134,9 @@ class TextCall:
         "mode",
         "_flow",
         "live",
-        "body",
+        "request",
         "entry",
+        "dialect",
         "t_start",
         "assembler",
         "held",
@@ -138,15 +150,22 @@ class TextCall:
     )
 
     def __init__(
-        self, mode: TextMode, flow: http.HTTPFlow, live: Live, body: dict[str, Any], entry: Entry
+        self,
+        mode: TextMode,
+        flow: http.HTTPFlow,
+        live: Live,
+        request: Request,
+        entry: Entry,
+        dialect: Dialect,
     ) -> None:
         self.mode = mode
         self._flow = weakref.ref(flow)
         self.live = live
-        self.body = body
+        self.request: Request | None = request
         self.entry = entry
+        self.dialect = dialect
         self.t_start = time.time()
-        self.assembler: StreamAssembler | None = None
+        self.assembler: Any = None
         self.held: list[bytes] = []
         self.over = False
         self.relaying = False
@@ -189,7 +208,7 @@ class TextCall:
         self.entry.settle(replay)
         self.live.inflight.pop(self, None)
         self.live.touch()
-        self.body = {}
+        self.request = None  # the parsed body may be large: free it with the call (issue 17)
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
@@ -206,13 +225,14 @@ class TextCall:
         call = {
             "t_start": self.t_start,
             "t_end": time.time(),
-            "model": self.body.get("model"),
-            "sampling": recorded_sampling(self.body),
+            "model": self.request.model,
+            "sampling": self.request.sampling,
             "usage": usage if isinstance(usage, dict) else None,
             "finish_reason": finish_reason if isinstance(finish_reason, str) else None,
+            "dialect": self.dialect.name,
         }
         try:
-            node = commit_text_call(self.live.trajectory, self.body, reply, call)
+            node = commit_text_call(self.live.trajectory, self.request, reply, call)
         except Exception as exc:  # a reply that cannot be hashed is a failure, not a crash
             logger.warning("committing a reply of %s failed: %r", self.live.id, exc)
             self._fail(None, f"unreadable reply: {type(exc).__name__}: {exc}")
@@ -233,15 +253,13 @@ class TextCall:
             self._fail(status, _text(response))
             self._end()
             return
-        problem, parsed = _read_reply(response)
-        if problem is not None:
+        try:
+            message, finish_reason, usage = self.dialect.reply_message(_read_reply(response))
+        except ValueError as problem:
             self._fail(None, f"unreadable reply: {problem}")
             self._end()
             return
-        choice = parsed["choices"][0]
-        committed = self._commit(
-            choice["message"], choice.get("finish_reason"), parsed.get("usage")
-        )
+        committed = self._commit(message, finish_reason, usage)
         replay = None
         if committed:
             replay = Replay.of(status, response.headers.fields, response.raw_content or b"")
@@ -254,11 +272,11 @@ class TextCall:
             return
         self._progress()
         if (
-            self.body.get("stream") is True
+            self.request.stream
             and response.status_code == 200
             and response.headers.get("content-type", "").startswith(_EVENT_STREAM)
         ):
-            self.assembler = StreamAssembler()
+            self.assembler = self.dialect.assembler()
             self.relaying = True
             if response.headers.get("cache-control") != "no-cache":
                 response.headers["cache-control"] = "no-cache"
@@ -320,7 +338,8 @@ class TextCall:
         self._end()
         if not self.relaying:
             # Once relaying, mitmproxy itself drops the harness connection mid-stream.
-            self.mode.conns.respond(flow, 502, openai_error(502, f"upstream unavailable: {detail}"))
+            body = self.dialect.error(502, f"upstream unavailable: {detail}")
+            self.mode.conns.respond(flow, 502, body)
 
 
 def _client_gone(flow: http.HTTPFlow) -> bool:
@@ -332,21 +351,16 @@ def _text(response: http.Response) -> str:
     return content[:8000].decode("utf-8", "replace")
 
 
-def _read_reply(response: http.Response) -> tuple[str | None, dict[str, Any]]:
-    """(problem, parsed): problem is None when the body has a first choice with a message."""
+def _read_reply(response: http.Response) -> dict[str, Any]:
+    """The reply body as a JSON object; a ValueError says why it is not one."""
     try:
         content = response.get_content(strict=True) or b""
     except ValueError as exc:
-        return f"the body cannot be decoded: {exc}", {}
+        raise ValueError(f"the body cannot be decoded: {exc}") from None
     try:
         parsed = orjson.loads(content)
     except orjson.JSONDecodeError as exc:
-        return f"the body is not JSON ({exc}): {content[:200]!r}", {}
+        raise ValueError(f"the body is not JSON ({exc}): {content[:200]!r}") from None
     if not isinstance(parsed, dict):
-        return f"the body is not a JSON object: {content[:200]!r}", {}
-    choices = parsed.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return f"no choices in the body: {content[:200]!r}", {}
-    if not isinstance(choices[0].get("message"), dict):
-        return "the first choice has no message object", {}
-    return None, parsed
+        raise ValueError(f"the body is not a JSON object: {content[:200]!r}")
+    return parsed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skycap.dialects import Request
 from skycap.graph import CLIENT, MODEL, Node
 from skycap.hashing import model_key, text_match, text_model_delta
 from skycap.trajectory import Trajectory
@@ -11,23 +12,23 @@ from skycap.trajectory import Trajectory
 
 def commit_text_call(
     trajectory: Trajectory,
-    request: dict[str, Any],
+    request: Request,
     reply: dict[str, Any],
     call: dict[str, Any],
 ) -> Node | None:
     """Commit the request's messages and the reply; return the model node, or None if sealed.
 
-    `request` is the parsed chat body (already checked: `messages` is a list of objects);
-    `reply` is the first choice's message exactly as returned; `call` is the call record
-    without `tools` and `bridged`, which are filled in here.
+    `request` is the call read by its dialect (canonical messages and tools); `reply` is
+    the canonical reply message; `call` is the call record without `tools` and `bridged`,
+    which are filled in here.
     """
     if not trajectory.is_open:
         return None
     graph = trajectory.graph
-    tools_key = trajectory.register_tools(request.get("tools"))
-    model = model_key(request.get("model"))
+    tools_key = trajectory.register_tools(request.tools)
+    model = model_key(request.model)
     key = tools_key or ""
-    messages = request["messages"]
+    messages = request.messages
     hashes = [text_match(m, key, model) for m in messages]
     matched = graph.walk(hashes)
     parent = matched[-1] if matched else None

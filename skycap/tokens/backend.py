@@ -1,15 +1,15 @@
 """The token-mode backend the server plugs in: plan, engine call, commit and reply (http.md §9).
 
-The server routes and gates requests (http.md §3) and hands a checked chat body here;
-everything after that, including the per-trajectory turn lock, happens in `chat`. Renderer
+The server routes and gates requests (http.md §3) and hands a call read by its dialect
+(skycap.dialects) here; everything after that, including the per-trajectory turn lock,
+happens in `call`, and the answer is written in the call's dialect. Renderer
 work (plan, reply parsing, decoding) runs on the renderer pool's worker threads, never on
-the event loop.
+the event loop; the HTTP calls to the engine are skycap.tokens.client's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -19,8 +19,12 @@ from typing import Any
 import httpx
 import orjson
 
+from skycap.dialects import Dialect, ReplyData, Request
+from skycap.dialects.chat import DIALECT as CHAT
+from skycap.dialects.chat import REASONING_FIELDS
 from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
+from skycap.tokens.client import CONNECT_TIMEOUT, EngineClient, engine_status_message
 from skycap.tokens.commit import CommitError, commit_turn
 from skycap.tokens.engine import (
     EngineError,
@@ -31,7 +35,7 @@ from skycap.tokens.engine import (
 from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
 from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
-from skycap.tokens.reply import Completion, completion_id, finish_reason, reply_messages
+from skycap.tokens.reply import answered_message, finish_reason, reply_message
 from skycap.tokens.sampling import (
     SamplingError,
     check_mask_constraints,
@@ -44,15 +48,8 @@ from skycap.tokens.sampling import (
 )
 from skycap.tokens.stops import StopMatch, apply_stop, strip_stop
 from skycap.trajectory import FAILED, Trajectory
-from skycap.wire import openai_error, recorded_sampling
 
-log = logging.getLogger(__name__)
-
-CONNECT_TIMEOUT = 30.0
-RELEASE_TIMEOUT = 10.0
 ENGINE_ERROR_BODY_LIMIT = 2000
-#: Characters of an engine's error body quoted in the harness's 502/5xx message.
-ENGINE_EXCERPT_LIMIT = 300
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 #: Token ids below this share one int object each in the lists kept between turns (D-27);
 #: the table grows to the largest id seen, at most 2**18 entries (~10 MB), once per process.
@@ -77,6 +74,7 @@ OPTION_NAMES = (
     "use_raw_content",
     "keep_special_tokens",
     "generation_config",
+    "reasoning_field",
     "upstream_timeout",
 )
 #: The flag a vLLM server needs for sampling masks (config/model.py `return_sampling_mask`).
@@ -85,12 +83,16 @@ MASK_FLAG = "--return-sampling-mask"
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A complete answer for the harness; `replayable`: SDK retries may reuse it (http.md §5)."""
+    """A complete answer for the harness; `replayable`: SDK retries may reuse it (http.md §5).
+
+    `call` is the committed call's record when the turn committed (what /healthz counts).
+    """
 
     status: int
     headers: dict[str, str]
     body: bytes
     replayable: bool = False
+    call: dict[str, Any] | None = None
 
 
 class _TurnFailed(Exception):
@@ -132,6 +134,7 @@ class TokenBackend:
         use_raw_content: bool = False,
         keep_special_tokens: bool = False,
         generation_config: str | None = None,
+        reasoning_field: str = "both",
         upstream_timeout: float | None = None,
     ) -> None:
         if not upstream_url:
@@ -143,16 +146,21 @@ class TokenBackend:
                 f"sampling_overrides must be a mapping, got {type(sampling_overrides).__name__}"
             )
         self.upstream_url = upstream_url.rstrip("/")
-        self.api_key = api_key
         self.engine = engine or VLLMEngine()
+        self.client = EngineClient(self.upstream_url, api_key, self.engine, upstream_timeout)
         self.served = ServedModel(model or None)
         self.max_model_len = max_model_len
+        if reasoning_field not in REASONING_FIELDS:
+            raise ValueError(
+                f"reasoning_field must be one of {', '.join(REASONING_FIELDS)}, "
+                f"got {reasoning_field!r}"
+            )
+        self.reasoning_field = reasoning_field
         self.sampling_overrides = dict(sampling_overrides or {})
         self.sampling_mask = sampling_mask
         self.logprobs_mode = logprobs_mode
         self.use_raw_content = use_raw_content
         self.keep_special_tokens = keep_special_tokens
-        self.upstream_timeout = upstream_timeout
         check_overrides(self.sampling_overrides, sampling_mask)
         self.generation_defaults, self.generation_source = load_generation_config(
             generation_config, generation_folders(tokenizer)
@@ -162,7 +170,6 @@ class TokenBackend:
         )
         self._stop_token_ids = list(self._pool.primary.stop_token_ids)
         self._states: dict[str, _TrajectoryState] = {}
-        self._client: httpx.AsyncClient | None = None
 
     @classmethod
     def from_options(cls, options: Any) -> TokenBackend:
@@ -198,35 +205,46 @@ class TokenBackend:
 
     # -- a harness call -------------------------------------------------------------------
 
-    async def chat(self, trajectory: Trajectory, body: dict[str, Any]) -> Reply:
-        """Run one turn for a checked chat body (http.md §9.2); always returns a Reply."""
+    async def call(self, trajectory: Trajectory, request: Request, dialect: Dialect) -> Reply:
+        """Run one turn for a call read by `dialect` (http.md §9.2); always returns a Reply."""
         state = self._states.setdefault(trajectory.id, _TrajectoryState())
         async with state.lock:
             if not trajectory.is_open:
-                return _error(410, f"trajectory is {trajectory.status}", "trajectory_closed")
+                return _error(
+                    dialect, 410, f"trajectory is {trajectory.status}", "trajectory_closed"
+                )
+            if request.token_refusal is not None:
+                return _error(dialect, 400, request.token_refusal)
             try:
-                return await self._turn(trajectory, body, state)
+                return await self._turn(trajectory, request, dialect, state)
             except _TurnFailed as failed:
                 return failed.reply
 
     async def _turn(
-        self, trajectory: Trajectory, body: dict[str, Any], state: _TrajectoryState
+        self,
+        trajectory: Trajectory,
+        request: Request,
+        dialect: Dialect,
+        state: _TrajectoryState,
     ) -> Reply:
         t_start = time.time()
-        tools = body.get("tools") if isinstance(body.get("tools"), list) and body["tools"] else None
+        tools = request.tools
         served = await self.served.on_call(self._list_models)
-        model = served or model_key(body.get("model"))
-        plan = await self._plan(trajectory, body["messages"], tools, model, state.last_turn)
-        room = self._check_limits(trajectory, body, len(plan.prompt_ids))
-        sampling, request = self._engine_request(body, plan, room, served)
-        output = await self._generate(trajectory, request, plan.routes_from)
-        self._check_mask(trajectory, output)
+        model = served or model_key(request.model)
+        plan = await self._plan(
+            trajectory, request.messages, tools, model, state.last_turn, dialect
+        )
+        room = self._check_limits(trajectory, request, len(plan.prompt_ids), dialect)
+        sampling, engine_request = self._engine_request(request, plan, room, served, dialect)
+        output = await self._generate(trajectory, engine_request, plan.routes_from, dialect)
+        self._check_mask(trajectory, output, dialect)
         stop = await self._apply_stop(output, sampling, plan)
-        stored, answered = await self._reply_messages(trajectory, plan, output, tools, stop)
+        stored = await self._reply_message(trajectory, plan, output, tools, stop, dialect)
+        stored = dialect.issue(stored, output.completion_ids)
         reason = "stop" if stop else finish_reason(output.finish_reason, stored)
-        if reason == "tool_calls" and _names_a_tool(body.get("tool_choice")):
+        if reason == "tool_calls" and _names_a_tool(request.body.get("tool_choice")):
             reason = "stop"  # OpenAI and vLLM answer a forced named tool with "stop"
-        requested = body.get("model") if isinstance(body.get("model"), str) else None
+        requested = request.model if isinstance(request.model, str) else None
         call = {
             "t_start": t_start,
             "t_end": time.time(),
@@ -237,12 +255,29 @@ class TokenBackend:
                 "completion_tokens": len(output.completion_ids),
             },
             "finish_reason": reason,
-            **_call_extras(body, output, stop),
+            "dialect": dialect.name,
+            **_call_extras(request.body, output, stop),
         }
-        status = self._commit(trajectory, plan, output, stored, call, tools, model, state)
-        return self._answer(body, plan, output, answered, reason, status)
+        status = self._commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
+        answered = answered_message(
+            stored, use_raw_content=self.use_raw_content, reasoning_field=self.reasoning_field
+        )
+        data = ReplyData(
+            id=dialect.reply_id(),
+            created=int(time.time()),
+            model=self._answered_model(request),
+            message=answered,
+            finish_reason=reason,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(output.completion_ids),
+            request=request,
+            stop_sequence=None if stop is None else stop.stop,
+        )
+        reply = self._answer(request, dialect, data, status)
+        committed = call if status == "ok" else None
+        return Reply(reply.status, reply.headers, reply.body, reply.replayable, committed)
 
-    def _check_mask(self, trajectory: Trajectory, output: EngineOutput) -> None:
+    def _check_mask(self, trajectory: Trajectory, output: EngineOutput, dialect: Dialect) -> None:
         """With `--sampling-mask`, a reply without masks means the engine lacks the flag."""
         if self.sampling_mask and output.sampling_mask is None:
             problem = (
@@ -251,12 +286,16 @@ class TokenBackend:
                 "--sampling-mask"
             )
             trajectory.add_failure(None, problem)
-            raise _TurnFailed(_error(502, problem))
+            raise _TurnFailed(_error(dialect, 502, problem))
 
     async def _apply_stop(
         self, output: EngineOutput, sampling: Mapping[str, Any], plan: Plan
     ) -> StopMatch | None:
-        """Cut the completion at the first stop string (D-41), in place; the match or None."""
+        """Cut the completion at the first stop string (D-41), in place; the match or None.
+
+        Every dialect's stop strings arrive as the canonical `stop` (Chat Completions
+        `stop`, Anthropic `stop_sequences`).
+        """
         stops = stop_strings(sampling)
         if not stops:
             return None
@@ -273,18 +312,19 @@ class TokenBackend:
         )
 
     def _engine_request(
-        self, body: dict[str, Any], plan: Plan, room: int | None, model: str | None
+        self, request: Request, plan: Plan, room: int | None, model: str | None, dialect: Dialect
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(effective sampling, engine request body) (http.md §9.3-9.4).
 
         The model's generation defaults fill what the caller left out, then the overrides
         win (D-41). What vLLM would refuse answers 400 naming the field.
         """
-        caller = recorded_sampling(body)
+        caller = dict(request.sampling)
         if "max_completion_tokens" in caller:
             caller["max_tokens"] = caller.pop("max_completion_tokens")
+        cache_salt = request.extras.get("cache_salt")
         try:
-            validate_cache_salt(body.get("cache_salt"))
+            validate_cache_salt(cache_salt)
             sampling = merge_sampling(
                 {**self.generation_defaults, **caller},
                 self.sampling_overrides,
@@ -294,35 +334,36 @@ class TokenBackend:
             validate_sampling(sampling)
             if self.sampling_mask:
                 check_mask_constraints(sampling, "this request")
-            request = self.engine.request(
+            engine_request = self.engine.request(
                 prompt_ids=plan.prompt_ids,
                 sampling=sampling,
                 model=model,
-                cache_salt=body.get("cache_salt"),
+                cache_salt=cache_salt,
                 sampling_mask=self.sampling_mask,
                 routes_from=plan.routes_from,
             )
         except SamplingError as exc:
-            raise _TurnFailed(_error(400, str(exc), param=exc.param)) from exc
+            raise _TurnFailed(_error(dialect, 400, str(exc), param=exc.param)) from exc
         except ValueError as exc:
-            raise _TurnFailed(_error(400, str(exc))) from exc
-        return sampling, request
+            raise _TurnFailed(_error(dialect, 400, str(exc))) from exc
+        return sampling, engine_request
 
-    async def _reply_messages(
+    async def _reply_message(
         self,
         trajectory: Trajectory,
         plan: Plan,
         output: EngineOutput,
         tools: list[Any] | None,
         stop: StopMatch | None,
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(stored, answered) reply messages; a completion the renderer cannot read is a 502.
+        dialect: Dialect,
+    ) -> dict[str, Any]:
+        """The reply message to store; a completion the renderer cannot read is a 502.
 
-        After a stop string both are the message without it (what the harness will echo).
+        After a stop string it is the message without it (what the harness will echo).
         """
         try:
-            stored, answered = await self._pool.run(
-                lambda r: reply_messages(
+            stored = await self._pool.run(
+                lambda r: reply_message(
                     r,
                     output.completion_ids,
                     tools,
@@ -333,10 +374,8 @@ class TokenBackend:
             )
         except RenderError as exc:
             trajectory.add_failure(None, f"engine: {exc}")
-            raise _TurnFailed(_error(502, f"engine: {exc}")) from exc
-        if stop is None:
-            return stored, answered
-        return strip_stop(stored, stop), strip_stop(answered, stop)
+            raise _TurnFailed(_error(dialect, 502, f"engine: {exc}")) from exc
+        return stored if stop is None else strip_stop(stored, stop)
 
     async def _plan(
         self,
@@ -345,6 +384,7 @@ class TokenBackend:
         tools: list[Any] | None,
         model: str,
         last_turn: TurnLists | None,
+        dialect: Dialect,
     ) -> Plan:
         key = tools_hash(tools)
         try:
@@ -352,21 +392,21 @@ class TokenBackend:
                 lambda r: plan_turn(trajectory.graph, r, messages, tools, key, model, last_turn)
             )
         except PlanError as exc:
-            raise _TurnFailed(_error(400, str(exc))) from exc
+            raise _TurnFailed(_error(dialect, 400, str(exc))) from exc
 
     def _check_limits(
-        self, trajectory: Trajectory, body: dict[str, Any], prompt_tokens: int
+        self, trajectory: Trajectory, request: Request, prompt_tokens: int, dialect: Dialect
     ) -> int | None:
         """Refusals before inference (http.md §9.2 steps 3-4); returns the room left, if bounded."""
-        bound = body.get("max_prompt_tokens")
+        bound = request.extras.get("max_prompt_tokens")
         if bound is not None:
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-                raise _TurnFailed(
-                    _error(400, f"max_prompt_tokens must be a non-negative integer, got {bound!r}")
-                )
+                message = f"max_prompt_tokens must be a non-negative integer, got {bound!r}"
+                raise _TurnFailed(_error(dialect, 400, message))
             if prompt_tokens > bound:
                 raise _too_long(
                     trajectory,
+                    dialect,
                     f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens={bound}",
                 )
         if self.max_model_len is None:
@@ -375,22 +415,23 @@ class TokenBackend:
         if room <= 0:
             raise _too_long(
                 trajectory,
+                dialect,
                 f"prompt of {prompt_tokens} tokens leaves no room within "
                 f"max_model_len={self.max_model_len}",
             )
         return room
 
     async def _generate(
-        self, trajectory: Trajectory, request: dict[str, Any], routes_from: int
+        self, trajectory: Trajectory, request: dict[str, Any], routes_from: int, dialect: Dialect
     ) -> EngineOutput:
         """Call the engine and read its reply; failures are recorded and answered 502/5xx (D-14)."""
         try:
-            status, content = await self._post_engine(trajectory.id, orjson.dumps(request))
+            status, content = await self.client.generate(trajectory.id, orjson.dumps(request))
             if status != 200:
                 text = content[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")
                 trajectory.add_failure(status, text)
                 reply = _error(
-                    status if status >= 500 else 502, engine_status_message(status, text)
+                    dialect, status if status >= 500 else 502, engine_status_message(status, text)
                 )
                 raise _TurnFailed(reply)
             try:
@@ -401,21 +442,7 @@ class TokenBackend:
         except EngineError as exc:
             problem = f"engine: {exc}"
             trajectory.add_failure(None, problem)
-            raise _TurnFailed(_error(502, problem)) from exc
-
-    async def _post_engine(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
-        """POST the generate request: (status, body); transport failures raise EngineError."""
-        url = self.upstream_url + self.engine.generate_path
-        headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
-        try:
-            response = await self._http().post(url, content=payload, headers=headers)
-        except httpx.ConnectTimeout as exc:
-            raise EngineError(f"could not connect to {url} within {CONNECT_TIMEOUT:g} s") from exc
-        except httpx.TimeoutException as exc:
-            raise EngineError(f"timed out after {self.upstream_timeout:g} s") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{type(exc).__name__} calling {url}: {exc}") from exc
-        return response.status_code, response.content
+            raise _TurnFailed(_error(dialect, 502, problem)) from exc
 
     def _commit(
         self,
@@ -427,6 +454,7 @@ class TokenBackend:
         tools: list[Any] | None,
         model: str,
         state: _TrajectoryState,
+        dialect: Dialect,
     ) -> str:
         """Commit on the event loop; a CommitError seals the trajectory `failed` (graph.md §8)."""
         try:
@@ -446,44 +474,36 @@ class TokenBackend:
             return "failed"
         if node is None:
             raise _TurnFailed(
-                _error(410, f"trajectory is {trajectory.status}", "trajectory_closed")
+                _error(dialect, 410, f"trajectory is {trajectory.status}", "trajectory_closed")
             )
         if output.routed_experts is not None and state.experts_shape is None:
             state.experts_shape = tuple(output.routed_experts.shape[1:])
         state.last_turn = _turn_lists(trajectory.graph, node.id, plan, output, state.last_turn)
         return "ok"
 
-    def _answer(
-        self,
-        body: dict[str, Any],
-        plan: Plan,
-        output: EngineOutput,
-        message: dict[str, Any],
-        reason: str,
-        status: str,
-    ) -> Reply:
-        requested = body.get("model")
-        completion = Completion(
-            id=completion_id(),
-            created=int(time.time()),
-            model=requested if isinstance(requested, str) and requested else self.model or "",
-            message=message,
-            finish_reason=reason,
-            prompt_tokens=len(plan.prompt_ids),
-            completion_tokens=len(output.completion_ids),
-        )
+    def _answered_model(self, request: Request) -> str:
+        requested = request.model
+        return requested if isinstance(requested, str) and requested else self.model or ""
+
+    def _answer(self, request: Request, dialect: Dialect, data: ReplyData, status: str) -> Reply:
         headers = {"x-skycap-status": status}
-        if body.get("stream") is True:
+        if request.stream:
             headers |= {"content-type": "text/event-stream", "cache-control": "no-cache"}
-            options = body.get("stream_options")
-            include_usage = isinstance(options, dict) and options.get("include_usage") is True
-            payload = completion.sse(include_usage=include_usage)
+            payload = dialect.reply_sse(data)
         else:
             headers["content-type"] = "application/json"
-            payload = completion.json()
+            payload = dialect.reply_json(data)
         return Reply(200, headers, payload, replayable=status == "ok")
 
     # -- other routes and lifecycle -------------------------------------------------------
+
+    async def count_tokens(self, request: Request, dialect: Dialect) -> int | Reply:
+        """The rendered prompt's length for `request` (Messages `count_tokens`), or a 400."""
+        try:
+            rendered = await self._pool.run(lambda r: r.render(request.messages, request.tools))
+        except RenderError as exc:
+            return _error(dialect, 400, str(exc))
+        return len(rendered.token_ids)
 
     async def models(self) -> Reply:
         """`GET /t/{id}/v1/models` (http.md §9.9)."""
@@ -493,46 +513,28 @@ class TokenBackend:
                 "data": [{"id": self.model, "object": "model", "owned_by": "skycap"}],
             }
             return Reply(200, {"content-type": "application/json"}, orjson.dumps(listing))
-        url = self.upstream_url + "/v1/models"
         try:
-            response = await self._http().get(url, headers=self._auth())
+            response = await self.client.models()
         except httpx.HTTPError as exc:
-            return _error(502, f"engine: {type(exc).__name__} calling {url}: {exc}")
+            url = self.client.models_url
+            return _error(CHAT, 502, f"engine: {type(exc).__name__} calling {url}: {exc}")
         content_type = response.headers.get("content-type", "application/json")
         return Reply(response.status_code, {"content-type": content_type}, response.content)
 
     async def _list_models(self) -> tuple[int, bytes]:
         """GET the engine's `/v1/models`: (status, body); transport failures raise httpx errors."""
-        response = await self._http().get(
-            self.upstream_url + "/v1/models", headers=self._auth(), timeout=CONNECT_TIMEOUT
-        )
+        response = await self.client.models(timeout=CONNECT_TIMEOUT)
         return response.status_code, response.content
 
     async def release(self, trajectory_id: str) -> None:
         """Drop the trajectory's turn state and release the engine's (best effort, http.md §11)."""
         self._states.pop(trajectory_id, None)
-        if not self.engine.release_path:
-            return
-        url = self.upstream_url + self.engine.release_path
-        try:
-            response = await self._http().post(
-                url,
-                params={"session_id": trajectory_id},
-                headers=self._auth(),
-                timeout=RELEASE_TIMEOUT,
-            )
-        except httpx.HTTPError as exc:
-            log.info("engine release of %s failed: %s: %s", trajectory_id, type(exc).__name__, exc)
-            return
-        if response.status_code >= 400:
-            log.info("engine release of %s answered HTTP %s", trajectory_id, response.status_code)
+        await self.client.release(trajectory_id)
 
     async def close(self) -> None:
         """Close the HTTP client and stop the renderer threads (off the event loop)."""
         await self.served.close()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.client.close()
         await asyncio.to_thread(self._pool.close)
 
     def decode_spans(self, token_ids: Any, context: Any = ()) -> tuple[bytes, list[int]]:
@@ -542,23 +544,6 @@ class TokenBackend:
         slot like any other renderer work.
         """
         return self._pool.call(lambda r: r.decode_spans(token_ids, context))
-
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def _http(self) -> httpx.AsyncClient:
-        """One client per backend, made on first use (so on the serving event loop)."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    connect=CONNECT_TIMEOUT,
-                    read=self.upstream_timeout,
-                    write=self.upstream_timeout,
-                    pool=None,
-                ),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            )
-        return self._client
 
 
 def _turn_lists(
@@ -597,34 +582,23 @@ def _interned(ids: Sequence[int], start: int) -> list[int]:
     return ids[:start] + [shared[t] if type(t) is int and 0 <= t < size else t for t in tail]
 
 
-def engine_status_message(status: int, body: str) -> str:
-    """`engine returned HTTP <N>: <excerpt>` for the harness, so the cause is visible where
-    the call failed (a 404 from a wrong --upstream-url, an engine's validation error).
-
-    The excerpt is the body with whitespace collapsed, cut to ENGINE_EXCERPT_LIMIT
-    characters; the failure entry keeps the body itself (http.md §9.8).
-    """
-    excerpt = " ".join(body.split())
-    if len(excerpt) > ENGINE_EXCERPT_LIMIT:
-        excerpt = excerpt[: ENGINE_EXCERPT_LIMIT - 1] + "…"
-    message = f"engine returned HTTP {status}"
-    return f"{message}: {excerpt}" if excerpt else message
-
-
-def _too_long(trajectory: Trajectory, message: str) -> _TurnFailed:
+def _too_long(trajectory: Trajectory, dialect: Dialect, message: str) -> _TurnFailed:
     """A `context_length_exceeded` refusal, remembered for the finish answer (http.md §2.3)."""
     trajectory.context_length_exceeded = True
-    return _TurnFailed(_error(400, message, CONTEXT_LENGTH_EXCEEDED))
+    return _TurnFailed(_error(dialect, 400, message, CONTEXT_LENGTH_EXCEEDED))
 
 
 def _error(
-    status: int, message: str, code: str | None = None, *, param: str | None = None
+    dialect: Dialect,
+    status: int,
+    message: str,
+    code: str | None = None,
+    *,
+    param: str | None = None,
 ) -> Reply:
-    return Reply(
-        status,
-        {"content-type": "application/json"},
-        openai_error(status, message, code, param=param),
-    )
+    """A refusal or failure in the caller's dialect (D-36); `param` names the field at fault."""
+    body = dialect.error(status, message, code, param)
+    return Reply(status, {"content-type": "application/json"}, body)
 
 
 def _names_a_tool(tool_choice: Any) -> bool:

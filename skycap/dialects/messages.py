@@ -1,0 +1,539 @@
+"""Anthropic Messages: requests read into canonical messages, replies, streams and errors.
+
+The canonical form is Chat Completions shaped (D-29, D-35). A request's top-level `system`
+and any `role: "system"` entries become system messages; text blocks become the message's
+content (one block is its string); `tool_use` blocks become `tool_calls` with their
+`toolu_…` ids and the input as compact JSON arguments; `tool_result` blocks become
+`role: "tool"` messages (`is_error` kept when true); `thinking` blocks become
+`reasoning_content` plus `thinking_blocks` (with their signatures), `redacted_thinking`
+is kept in `thinking_blocks`; images become `image_url` parts. `cache_control` is dropped.
+The same reading applies to a reply skycap answered and to the history a client re-sends,
+so a replayed conversation lands on the nodes it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from skycap.dialects import ReplyData, Request, canonical
+from skycap.dialects.messages_stream import MessagesAssembler
+from skycap.hashing import token_digest
+from skycap.wire import BodyError, json_type
+
+#: Sampling keys this API has, under the chat names the graph records (format.md §4).
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")
+#: D-36: the error `type` an Anthropic SDK expects for each status.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    407: "authentication_error",
+    410: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+#: Canonical (chat) finish reasons and Anthropic stop reasons, both ways.
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+}
+SIGNATURE_PREFIX = "skycap-"
+BILLING_PREFIX = "x-anthropic-billing-header:"
+MAX_TOKENS_REQUIRED = "`max_tokens` is required: the Messages API needs it, and token mode uses it"
+IMAGES_REFUSED = "images are not supported in token mode yet; send text, or use text mode"
+PREFILL_REFUSED = (
+    "a final assistant message (prefill) is not supported in token mode; end the "
+    "conversation with a user message"
+)
+
+
+def arguments_json(value: Any) -> str:
+    """A tool call's input as its canonical `arguments` string: compact JSON, raw UTF-8.
+
+    It is the renderer's spelling of parsed arguments, so a token-mode reply and its
+    replay agree byte for byte.
+    """
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _where(i: int, j: int | None = None) -> str:
+    return f"messages[{i}].content" + ("" if j is None else f"[{j}]")
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    """A content field as a list of blocks (a string is one text block); checks their shape."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise BodyError(f"`{where}` must be a string or a list of blocks, got {json_type(content)}")
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise BodyError(f"`{where}[{j}]` must be an object with a string `type`")
+    return content
+
+
+def _text(block: dict[str, Any], where: str) -> dict[str, Any]:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise BodyError(f"`{where}.text` must be a string, got {json_type(text)}")
+    return {"type": "text", "text": text}
+
+
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":
+        url = f"data:{source.get('media_type')};base64,{source.get('data')}"
+    elif isinstance(source, dict) and source.get("type") == "url":
+        url = source.get("url")
+    else:
+        raise BodyError(f"`{where}.source` must be a base64 or url image source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _other(block: dict[str, Any]) -> dict[str, Any]:
+    """A block this mapping does not interpret, kept as sent without its markers."""
+    return {k: v for k, v in block.items() if k not in canonical.PART_DROPPED}
+
+
+def _user_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    kind = block["type"]
+    if kind == "text":
+        return _text(block, where)
+    if kind == "image":
+        return _image(block, where)
+    return _other(block)
+
+
+def _tool_result(block: dict[str, Any], where: str, known: set[str]) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise BodyError(f"`{where}.tool_use_id` must be a non-empty string")
+    if call_id not in known:
+        raise BodyError(
+            f"`{where}` is a tool_result for tool_use_id {call_id!r}, which no earlier "
+            "assistant message's tool_use has; send the assistant turn that made the call"
+        )
+    content = block.get("content")
+    if content is None:
+        parts: Any = ""
+    else:
+        blocks = _blocks(content, f"{where}.content")
+        parts = [_user_part(b, f"{where}.content[{k}]") for k, b in enumerate(blocks)]
+    message: dict[str, Any] = {
+        "role": "tool",
+        "tool_call_id": call_id,
+        "content": canonical.content(parts),
+    }
+    if block.get("is_error") is True:
+        message["is_error"] = True
+    return message
+
+
+def _user(message: dict[str, Any], i: int, known: set[str]) -> list[dict[str, Any]]:
+    """One user turn: its tool results as tool messages, its other blocks as user messages."""
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(_blocks(message.get("content"), _where(i))):
+        if block["type"] == "tool_result":
+            if parts:
+                out.append({"role": "user", "content": canonical.content(parts)})
+                parts = []
+            out.append(_tool_result(block, _where(i, j), known))
+        else:
+            parts.append(_user_part(block, _where(i, j)))
+    if parts or not out:
+        out.append({"role": "user", "content": canonical.content(parts)})
+    return out
+
+
+def assistant_message(blocks: list[dict[str, Any]], where: str = "content") -> dict[str, Any]:
+    """The canonical assistant message of an Anthropic content list.
+
+    Used for a request's assistant turns, a non-streamed reply and an assembled stream alike,
+    so the three agree.
+    """
+    parts: list[dict[str, Any]] = []
+    thinking: list[str] = []
+    thinking_blocks: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = block["type"]
+        at = f"{where}[{j}]"
+        if kind == "text":
+            parts.append(_text(block, at))
+        elif kind == "thinking":
+            text = block.get("thinking")
+            if not isinstance(text, str):
+                raise BodyError(f"`{at}.thinking` must be a string, got {json_type(text)}")
+            thinking.append(text)
+            entry = {"type": "thinking", "thinking": text}
+            if block.get("signature") is not None:
+                entry["signature"] = block["signature"]
+            thinking_blocks.append(entry)
+        elif kind == "redacted_thinking":
+            thinking_blocks.append({"type": "redacted_thinking", "data": block.get("data")})
+        elif kind == "tool_use":
+            call_id, name = block.get("id"), block.get("name")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+                raise BodyError(f"`{at}` (tool_use) needs a string `id` and `name`")
+            function = {"name": name, "arguments": arguments_json(block.get("input", {}))}
+            calls.append({"id": call_id, "type": "function", "function": function})
+        else:
+            parts.append(_other(block))
+    message: dict[str, Any] = {"role": "assistant", "content": canonical.content(parts) or None}
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
+    if thinking_blocks:
+        message["thinking_blocks"] = thinking_blocks
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _billing(block: dict[str, Any]) -> bool:
+    """Claude Code's per-call `x-anthropic-billing-header: …` system block, which the API
+    reads as metadata: its `cch=` value changes on every call, so it is dropped."""
+    text = block.get("text")
+    return block["type"] == "text" and isinstance(text, str) and text.startswith(BILLING_PREFIX)
+
+
+def _system(content: Any, where: str) -> dict[str, Any] | None:
+    """A system message, or None when it held only the billing block."""
+    blocks = _blocks(content, where)
+    parts = [_user_part(b, f"{where}[{j}]") for j, b in enumerate(blocks) if not _billing(b)]
+    if not parts and blocks:
+        return None
+    return {"role": "system", "content": canonical.content(parts)}
+
+
+def _tools(tools: Any) -> tuple[list[Any] | None, str | None]:
+    """(canonical tools, token-mode refusal): custom tools become chat function tools."""
+    if tools is None:
+        return None, None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BodyError("`tools` must be a list of objects")
+    out: list[Any] = []
+    refusal = None
+    for k, tool in enumerate(tools):
+        if "input_schema" in tool:
+            name = tool.get("name")
+            if not isinstance(name, str) or not name:
+                raise BodyError(f"`tools[{k}].name` must be a non-empty string")
+            function: dict[str, Any] = {"name": name, "parameters": tool["input_schema"]}
+            if tool.get("description") is not None:
+                function["description"] = tool["description"]
+            out.append({"type": "function", "function": function})
+        else:
+            out.append(_other(tool))
+            refusal = refusal or (
+                f"`tools[{k}]` is a server tool ({tool.get('type')!r}); token mode runs "
+                "only tools with an input_schema"
+            )
+    return (out or None), refusal
+
+
+def _has_image(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        for m in messages
+    )
+
+
+def read_request(body: Any) -> Request:
+    """Check a Messages request and read it into canonical form (module docstring)."""
+    if not isinstance(body, dict):
+        raise BodyError(f"request body must be a JSON object, got {json_type(body)}")
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not all(isinstance(m, dict) for m in raw_messages):
+        raise BodyError("`messages` must be a list of objects")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        raise BodyError(f"`max_tokens` must be a positive integer, got {max_tokens!r}")
+    messages: list[dict[str, Any]] = []
+    if body.get("system") not in (None, "", []):
+        system = _system(body["system"], "system")
+        if system is not None:
+            messages.append(system)
+    known: set[str] = set()
+    for i, message in enumerate(raw_messages):
+        role = message.get("role")
+        if role == "user":
+            messages.extend(_user(message, i, known))
+        elif role == "assistant":
+            reply = assistant_message(_blocks(message.get("content"), _where(i)), _where(i))
+            known.update(call["id"] for call in reply.get("tool_calls", ()))
+            messages.append(reply)
+        elif role == "system":
+            system = _system(message.get("content"), _where(i))
+            if system is not None:
+                messages.append(system)
+        else:
+            raise BodyError(f"`messages[{i}].role` must be user or assistant, got {role!r}")
+    tools, tool_refusal = _tools(body.get("tools"))
+    sampling = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    stop = _stop_sequences(body.get("stop_sequences"))
+    if stop:
+        sampling["stop"] = stop  # token mode applies it as a stop string (D-41)
+    return Request(
+        body=body,
+        messages=messages,
+        tools=tools,
+        model=body.get("model"),
+        sampling=sampling,
+        stream=body.get("stream") is True,
+        token_refusal=_token_refusal(body, messages, tool_refusal),
+    )
+
+
+def _stop_sequences(value: Any) -> list[str] | None:
+    """`stop_sequences` checked: a list of non-empty strings (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise BodyError(f"`stop_sequences` must be a list of strings, got {json_type(value)}")
+    for k, stop in enumerate(value):
+        if not isinstance(stop, str) or not stop:
+            raise BodyError(f"`stop_sequences[{k}]` must be a non-empty string, got {stop!r}")
+    return value
+
+
+def _token_refusal(
+    body: dict[str, Any], messages: list[dict[str, Any]], tool_refusal: str | None
+) -> str | None:
+    """Why token mode cannot run this request, or None (checked in this order)."""
+    if body.get("max_tokens") is None:
+        return MAX_TOKENS_REQUIRED
+    if _has_image(messages):
+        return IMAGES_REFUSED
+    if tool_refusal is not None:
+        return tool_refusal
+    if messages and messages[-1]["role"] == "assistant":
+        return PREFILL_REFUSED
+    return None
+
+
+def anthropic_error(status: int, message: str, code: str | None = None) -> bytes:
+    """The Anthropic error body of D-36: `{"type": "error", "error": {type, message, code}}`."""
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return orjson.dumps(
+        {"type": "error", "error": {"type": kind, "message": message, "code": code}}
+    )
+
+
+def stop_reason(finish_reason: str) -> str:
+    return _STOP_REASONS.get(finish_reason, finish_reason)
+
+
+def finish_reason_of(stop: Any) -> Any:
+    """The canonical finish reason a call records for an Anthropic `stop_reason`."""
+    return _FINISH_REASONS.get(stop, stop) if isinstance(stop, str) else None
+
+
+def _id(prefix: str, completion_ids: Sequence[int], index: int) -> str:
+    digest = hashlib.sha256(orjson.dumps(list(completion_ids))).hexdigest()
+    return f"{prefix}{digest[:24]}_{index}"
+
+
+def _issued_call(call: dict[str, Any], completion_ids: Sequence[int], k: int) -> dict[str, Any]:
+    """A parsed call with a `toolu_…` id and the arguments spelled as a replay reads them."""
+    function = dict(call["function"])
+    try:
+        function["arguments"] = arguments_json(json.loads(function["arguments"]))
+    except (TypeError, ValueError):
+        pass  # not JSON: answered wrapped (content_blocks), stored as the renderer parsed it
+    return {**call, "id": _id("toolu_", completion_ids, k), "function": function}
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Anthropic content list of a canonical assistant message skycap answers."""
+    blocks: list[dict[str, Any]] = []
+    for entry in message.get("thinking_blocks") or ():
+        blocks.append(dict(entry))
+    content = message.get("content")
+    if isinstance(content, str) and content:
+        blocks.append({"type": "text", "text": content})
+    elif isinstance(content, list):
+        blocks.extend(dict(p) for p in content)
+    for call in message.get("tool_calls") or ():
+        function = call["function"]
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = {"arguments": function["arguments"]}
+        blocks.append(
+            {"type": "tool_use", "id": call["id"], "name": function["name"], "input": arguments}
+        )
+    return blocks
+
+
+def _streamed_reply(blocks: list[dict[str, Any]], stop: str) -> tuple[dict[str, Any], str]:
+    return assistant_message(blocks), finish_reason_of(stop)
+
+
+def models_listing(status: int, body: bytes) -> bytes:
+    """An OpenAI-shaped model list (`{"data": [{"id"}]}`) in Anthropic's shape, else as is."""
+    try:
+        listing = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if status != 200 or not isinstance(data, list):
+        return body
+    models = [
+        {
+            "type": "model",
+            "id": entry["id"],
+            "display_name": entry["id"],
+            "created_at": "1970-01-01T00:00:00Z",
+        }
+        for entry in data
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    ]
+    first = models[0]["id"] if models else None
+    last = models[-1]["id"] if models else None
+    return orjson.dumps({"data": models, "has_more": False, "first_id": first, "last_id": last})
+
+
+class MessagesDialect:
+    """Anthropic Messages as a `Dialect` (see skycap.dialects)."""
+
+    name = "messages"
+    upstream_path = b"/messages"
+
+    def read(self, body: Any) -> Request:
+        return read_request(body)
+
+    def reply_message(self, parsed: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+        """(canonical message, finish reason, usage) of a non-streamed `message` body."""
+        content = parsed.get("content")
+        if parsed.get("type") != "message" or not isinstance(content, list):
+            raise ValueError(f"not a Messages reply: {orjson.dumps(parsed)[:200]!r}")
+        try:
+            message = assistant_message(_blocks(content, "content"))
+        except BodyError as exc:
+            raise ValueError(str(exc)) from None
+        return message, finish_reason_of(parsed.get("stop_reason")), parsed.get("usage")
+
+    def assembler(self) -> MessagesAssembler:
+        return MessagesAssembler(_streamed_reply)
+
+    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]:
+        """`toolu_…` ids, a thinking block with skycap's signature, no empty text.
+
+        The signature names the completion's exact tokens, so a replayed thinking block
+        says which sampled reply it came from.
+        """
+        out = {k: v for k, v in message.items() if k not in ("tool_calls", "reasoning_content")}
+        if out.get("content") == "":
+            out["content"] = None
+        reasoning = message.get("reasoning_content")
+        if reasoning:
+            out["reasoning_content"] = reasoning
+            signature = SIGNATURE_PREFIX + token_digest(completion_ids)
+            block = {"type": "thinking", "thinking": reasoning, "signature": signature}
+            out["thinking_blocks"] = [block]
+        calls = message.get("tool_calls")
+        if calls:
+            out["tool_calls"] = [
+                _issued_call(call, completion_ids, k) for k, call in enumerate(calls)
+            ]
+        return out
+
+    def reply_id(self) -> str:
+        return "msg_" + secrets.token_hex(12)
+
+    def _message(
+        self, reply: ReplyData, content: list[dict[str, Any]], stop: Any, sequence: str | None
+    ) -> dict[str, Any]:
+        return {
+            "id": reply.id,
+            "type": "message",
+            "role": "assistant",
+            "model": reply.model,
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": sequence,
+            "usage": {
+                "input_tokens": reply.prompt_tokens,
+                "output_tokens": reply.completion_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        }
+
+    def reply_json(self, reply: ReplyData) -> bytes:
+        blocks = content_blocks(reply.message)
+        message = self._message(reply, blocks, _reply_stop(reply), reply.stop_sequence)
+        return orjson.dumps(message)
+
+    def reply_sse(self, reply: ReplyData) -> bytes:
+        """message_start, each block's start/delta/stop, message_delta, message_stop."""
+        start = self._message(reply, [], None, None)
+        start["usage"]["output_tokens"] = 0
+        frames = [_frame("message_start", {"message": start})]
+        for index, block in enumerate(content_blocks(reply.message)):
+            frames.extend(_block_frames(index, block))
+        delta = {"stop_reason": _reply_stop(reply), "stop_sequence": reply.stop_sequence}
+        usage = {"output_tokens": reply.completion_tokens}
+        frames.append(_frame("message_delta", {"delta": delta, "usage": usage}))
+        frames.append(_frame("message_stop", {}))
+        return b"".join(frames)
+
+    def error(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> bytes:
+        """Anthropic's error shape has no field name: `param` is not sent."""
+        return anthropic_error(status, message, code)
+
+    def finish_reason(self, canonical_reason: str) -> str:
+        return stop_reason(canonical_reason)
+
+
+def _reply_stop(reply: ReplyData) -> str:
+    """The answered `stop_reason`: `stop_sequence` when a stop sequence ended the reply."""
+    if reply.stop_sequence is not None:
+        return "stop_sequence"
+    return stop_reason(reply.finish_reason)
+
+
+def _frame(kind: str, payload: dict[str, Any]) -> bytes:
+    data = orjson.dumps({"type": kind, **payload})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def _block_frames(index: int, block: dict[str, Any]) -> list[bytes]:
+    kind = block["type"]
+    if kind == "thinking":
+        opening = {"type": "thinking", "thinking": "", "signature": ""}
+        deltas = [{"type": "thinking_delta", "thinking": block["thinking"]}]
+        if block.get("signature"):
+            deltas.append({"type": "signature_delta", "signature": block["signature"]})
+    elif kind == "text":
+        opening, deltas = (
+            {"type": "text", "text": ""},
+            [{"type": "text_delta", "text": block["text"]}],
+        )
+    elif kind == "tool_use":
+        opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+        deltas = [{"type": "input_json_delta", "partial_json": arguments_json(block["input"])}]
+    else:
+        opening, deltas = block, []
+    frames = [_frame("content_block_start", {"index": index, "content_block": opening})]
+    frames += [_frame("content_block_delta", {"index": index, "delta": d}) for d in deltas]
+    frames.append(_frame("content_block_stop", {"index": index}))
+    return frames
+
+
+DIALECT = MessagesDialect()

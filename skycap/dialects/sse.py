@@ -1,0 +1,114 @@
+"""The SSE framing every dialect's upstream stream shares: lines in, one event at a time out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_PAYLOAD_PREVIEW = 200
+
+
+class StreamError(ValueError):
+    """The stream cannot be recorded; the message starts `unreadable stream: ` (format.md §5)."""
+
+
+class EventStream:
+    """Split raw response bytes, arriving in chunks split anywhere, into SSE events.
+
+    Work per `feed` is proportional to the chunk (only an unterminated line is carried
+    over), so a subclass can sit in the relay's hot path. `feed` never raises: a relay must
+    keep passing bytes to the harness, so a bad payload is remembered in `_error` and
+    raised by the subclass's `result()`. Each complete event's JSON object goes to
+    `_event(name, event)`; `data: [DONE]` sets `done`. An event the server never
+    terminated with a blank line is dropped, as the SSE rules (and the SDKs) do.
+    """
+
+    __slots__ = ("_pending", "_held_cr", "_data", "_name", "_done", "_error", "_events")
+
+    def __init__(self) -> None:
+        self._pending: list[bytes] = []
+        self._held_cr = False
+        self._data: list[bytes] = []
+        self._name: bytes | None = None
+        self._done = False
+        self._error: str | None = None
+        self._events = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether the stream's end marker was seen; later events are ignored."""
+        return self._done
+
+    def feed(self, chunk: bytes) -> None:
+        """Consume one chunk of the response body, split anywhere."""
+        if self._held_cr:
+            chunk = b"\r" + chunk
+            self._held_cr = False
+        if chunk.endswith(b"\r"):
+            # It may be the first half of a CRLF split across chunks: decide on the next feed.
+            chunk = chunk[:-1]
+            self._held_cr = True
+        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if cut < 0:
+            if chunk:
+                self._pending.append(chunk)
+            return
+        lines = chunk[: cut + 1]
+        if self._pending:
+            self._pending.append(lines)
+            lines = b"".join(self._pending)
+            self._pending = []
+        if cut + 1 < len(chunk):
+            self._pending.append(chunk[cut + 1 :])
+        for line in lines.splitlines():
+            if line:
+                self._field(line)
+            elif self._data:
+                self._dispatch()
+            else:
+                self._name = None
+
+    def _field(self, line: bytes) -> None:
+        if line.startswith(b"data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value.startswith(b" ") else value)
+        elif line == b"data":
+            self._data.append(b"")
+        elif line.startswith(b"event:"):
+            self._name = line[6:].strip()
+
+    def _dispatch(self) -> None:
+        data, name = self._data, self._name
+        self._data, self._name = [], None
+        if self._done or self._error is not None:
+            return
+        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        if payload.strip() == b"[DONE]":
+            self._done = True
+            return
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            self._error = (
+                f"unreadable stream: a data payload is not JSON ({exc}): "
+                f"{payload[:_PAYLOAD_PREVIEW]!r}"
+            )
+            return
+        if not isinstance(event, dict):
+            self._error = (
+                f"unreadable stream: a data payload is not a JSON object: "
+                f"{payload[:_PAYLOAD_PREVIEW]!r}"
+            )
+            return
+        self._events += 1
+        self._event(name, event)
+
+    def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+def frame(payload: Any, event: str | None = None) -> bytes:
+    """One SSE event: an optional `event:` line, then its JSON `data:` line."""
+    data = b"data: " + orjson.dumps(payload) + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
