@@ -32,6 +32,7 @@ LAYERS = [
         "skycap.rollout",
         "skycap.compose",
         "skycap.index",
+        "skycap.ray",
     ),
     ("skycap.cli",),
 ]

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    args.argv = argv  # a supervisor (`serve --workers`) re-runs its own command line
     module = importlib.import_module(SUBCOMMANDS[args.command])
     try:
         return module.run(args)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from skycap.server.options import ServerOptions
 
 HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
 DEFAULT_RECORD_DIR = "records"
@@ -31,6 +34,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default="warning",
         help="log level (default warning; info adds one access line per harness call)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N server processes, one event loop each, on ports --port..--port+N-1 "
+        "(proxy ports likewise) with one control token (default 1)",
     )
     parser.set_defaults(serve_parser=parser)
 
@@ -58,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, ImportError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
+    if args.workers != 1:
+        return _supervise(args, options, parser)
 
     def ready(url: str) -> None:
         settle_garbage_collector()
@@ -137,6 +150,40 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_RECORDS_LOST
     return 0
+
+
+def _supervise(
+    args: argparse.Namespace, options: ServerOptions, parser: argparse.ArgumentParser
+) -> int:
+    """`--workers N`: check the flags once here, then run N ordinary servers."""
+    from skycap.cli.workers import supervise
+
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give a number of servers >= 1")
+    if options.port == 0 or options.proxy_port == 0:
+        parser.error("--workers needs fixed ports: give --port (and --proxy-port) other than 0")
+    n, ports = args.workers, range(options.port, options.port + args.workers)
+    if ports[-1] > 65535 or (options.proxy_port or 0) + n - 1 > 65535:
+        parser.error(f"--workers {n}: the ports run past 65535; give a lower --port/--proxy-port")
+    if options.proxy_port is not None and set(ports) & set(
+        range(options.proxy_port, options.proxy_port + n)
+    ):
+        parser.error(
+            f"--workers {n} uses ports {ports[0]}..{ports[-1]} and proxy ports "
+            f"{options.proxy_port}..{options.proxy_port + n - 1}, which overlap; move "
+            "--proxy-port out of that range"
+        )
+    argv: list[str] = args.argv
+    return supervise(
+        argv[argv.index("serve") + 1 :],
+        workers=args.workers,
+        host=options.host,
+        port=options.port,
+        proxy_port=options.proxy_port,
+        control_token_given=args.control_token_env is not None,
+        control_token_off=bool(args.no_control_token),
+        record_dir=options.record_dir,
+    )
 
 
 def records_line(options: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -72,7 +73,28 @@ class Poller:
         self.control_token = control_token
 
     def poll(self) -> None:
-        for server in self.servers:
+        self._poll_each(self.servers)
+        self._poll_each(self._add_siblings())
+
+    def _add_siblings(self) -> list[ServerState]:
+        """Add the other workers of a `skycap serve --workers N` a polled server names."""
+        known = {server.url for server in self.servers}
+        added: list[ServerState] = []
+        for server in list(self.servers):
+            ports = (server.health.get("workers") or {}).get("ports") or []
+            parts = urlsplit(server.url)
+            for port in ports:
+                host = parts.hostname or ""
+                host = f"[{host}]" if ":" in host else host
+                url = f"{parts.scheme}://{host}:{port}"
+                if url not in known:
+                    known.add(url)
+                    added.append(ServerState(url))
+        self.servers += added
+        return added
+
+    def _poll_each(self, servers: list[ServerState]) -> None:
+        for server in servers:
             try:
                 health = self._get_json(f"{server.url}/healthz")
                 listing = self._get_json(f"{server.url}/trajectories")

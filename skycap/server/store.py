@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import socket
 import time
 import weakref
@@ -57,6 +58,9 @@ from skycap.trajectory import (
 from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
+#: Set by the `skycap serve --workers N` supervisor, which replays the crash journals once
+#: before its workers start (D-44): the workers then do not race to replay them.
+JOURNALS_REPLAYED_VARIABLE = "SKYCAP_JOURNALS_REPLAYED"
 
 UNKNOWN = "unknown trajectory"
 # Why a trajectory in memory takes no more calls though its status is unchanged (D-44).
@@ -598,8 +602,8 @@ class TrajectoryStore:
         runs on the loop, blocking it, at start: a call or finish that arrives meanwhile
         waits and then finds the record, rather than a 404.
         """
-        if self.record_dir is None:
-            return
+        if self.record_dir is None or os.environ.get(JOURNALS_REPLAYED_VARIABLE) == "1":
+            return  # a `serve --workers` supervisor replayed them once, before its workers
         record_dir = self.record_dir
 
         def write(trajectory: Trajectory) -> None:
