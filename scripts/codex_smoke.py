@@ -249,7 +249,8 @@ def serve(mode: str, provider: str, compact: bool, record_dir: Path) -> tuple[An
             mode="tokens",
             tokenizer=folder,
             renderer_name="qwen3",
-            model=MODEL,
+            # No `model=`: the served name is learned from the engine, which (as vLLM does)
+            # refuses any other name, such as the one Codex sends.
             record_dir=str(record_dir),
             **proxy,
         )
