@@ -398,5 +398,5 @@ def test_skycap_serve_refuses_a_mirror_it_cannot_use(tmp_path: Path, capsys) -> 
     err = capsys.readouterr().err
     assert "skycap[remote]" in err and "uv sync --extra remote" in err
     with pytest.raises(SystemExit):
-        skycap_main([*base, "--record-mirror", "memory://m"])
+        skycap_main([*base, "--no-record-dir", "--record-mirror", "memory://m"])
     assert "--record-dir" in capsys.readouterr().err
