@@ -63,7 +63,7 @@ def script(qwen3_tokenizer: Any) -> Script:
 
 @pytest.fixture(scope="module")
 def engine(qwen3_tokenizer: Any, script: Script) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer, script=script) as scripted:
+    with ScriptedEngine(qwen3_tokenizer, script=script, model="policy") as scripted:
         yield scripted
 
 
