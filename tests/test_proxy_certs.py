@@ -23,6 +23,7 @@ from skycap.server.addon import (
     MODELS,
     PASS,
     REFUSED,
+    RESPONSE_GET,
     RESPONSES,
     proxy_route,
 )
@@ -145,7 +146,7 @@ def test_mitmdump_turns_the_proxy_on_with_a_regular_mode(tmp_path: Path) -> None
         ("POST", "/v1/messages?beta=true", MESSAGES),
         ("POST", "/v1/messages/count_tokens?beta=true", COUNT_TOKENS),
         ("POST", "/v1/responses", RESPONSES),
-        ("GET", "/v1/responses/resp_1", RESPONSES),
+        ("GET", "/v1/responses/resp_1", RESPONSE_GET),
     ],
 )
 def test_what_the_proxy_captures(method: str, path: str, kind: str) -> None:

@@ -19,7 +19,7 @@ from skycap.server.addon import (
     MESSAGES,
     MISS,
     MODELS,
-    RESPONSES,
+    RESPONSE_GET,
     route,
 )
 from skycap.server.keys import KEY_PREFIX, authorized, new_api_key
@@ -196,7 +196,7 @@ def test_api_keys_are_compared_in_constant_time_as_bytes() -> None:
             "/t/tr_0123456789abcdef/v1/messages/count_tokens",
             (COUNT_TOKENS, "tr_0123456789abcdef"),
         ),
-        ("GET", "/t/tr_0123456789abcdef/v1/responses/r_1", (RESPONSES, "tr_0123456789abcdef")),
+        ("GET", "/t/tr_0123456789abcdef/v1/responses/r_1", (RESPONSE_GET, "tr_0123456789abcdef")),
         ("GET", "/metrics", (MISS, None)),
     ],
 )
