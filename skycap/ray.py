@@ -180,7 +180,8 @@ class CaptureServers:
             token = new_control_token()
         if token is not None:
             options["control_token"] = token
-        ServerOptions(**options)  # a bad option fails here, before any actor starts
+        # A bad option fails here, before any actor starts (each actor gets a record dir).
+        ServerOptions(**{"record_dir": record_dir or str(default_record_dir()), **options})
         if not ray.is_initialized():
             ray.init()
         self = cls()
