@@ -181,7 +181,7 @@ class CaptureServers:
         if token is not None:
             options["control_token"] = token
         # A bad option fails here, before any actor starts (each actor gets a record dir).
-        ServerOptions(**{"record_dir": record_dir or str(default_record_dir()), **options})
+        ServerOptions(**{"record_dir": str(record_dir or default_record_dir()), **options})
         if not ray.is_initialized():
             ray.init()
         self = cls()
