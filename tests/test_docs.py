@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from skycap.cli.main import build_parser
-from skycap.server.options import ADDON_PREFIX, FLAGS
+from skycap.server.flags import ADDON_PREFIX, FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted(

@@ -17,8 +17,10 @@ import pytest
 from mirror_fixtures import S3, FaultProxy, s3_options
 from server_fixtures import Control, make_server, upstream, wait_for  # noqa: F401
 
+from skycap.record.journal import Journal
 from skycap.record.mirror import MirrorConfig, RecordMirror, open_store
 from skycap.server.options import ServerOptions, from_values
+from skycap.trajectory import Trajectory
 
 FAST = {"backoff": 0.01, "timeout": 20.0}
 
@@ -239,6 +241,20 @@ def test_file_urls_and_memory_urls_are_mirrors_too(tmp_path: Path) -> None:
         assert mirror.location("tr_a", ["tr_a.tokens.zst", "tr_a.json.zst"])["mirror_state"] == (
             "excluded"
         )
+
+
+def test_a_record_replayed_from_a_crash_journal_is_mirrored(make_server, tmp_path: Path) -> None:
+    (tmp_path / "records").mkdir()
+    journal = Journal(tmp_path / "records")  # what a killed server leaves behind
+    journal.open(Trajectory("tr_00000000000000dd", capture={"mode": "text"}))
+    journal.close()
+    remote = tmp_path / "remote"
+    server = make_server(record_dir=tmp_path / "records", record_mirror=remote.as_uri())
+    with Control(server.url) as control:
+        assert settled(control, "tr_00000000000000dd")["mirror_state"] == "copied"
+    assert (remote / "tr_00000000000000dd.json.zst").read_bytes() == (
+        tmp_path / "records" / "tr_00000000000000dd.json.zst"
+    ).read_bytes()
 
 
 # -- faults ------------------------------------------------------------------------------------

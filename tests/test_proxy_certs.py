@@ -15,6 +15,7 @@ from mitmproxy import optmanager
 
 from skycap.certs import default_confdir, ensure_ca
 from skycap.cli.main import main
+from skycap.server import flags as flags_module
 from skycap.server import options as options_module
 from skycap.server.addon import (
     CHAT,
@@ -111,7 +112,7 @@ def test_proxy_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="must differ from port"):
         ServerOptions(UP, port=8080, proxy_port=8080)
     parser = argparse.ArgumentParser()
-    options_module.add_arguments(parser)
+    flags_module.add_arguments(parser)
     parsed = from_values(
         vars(parser.parse_args(["--proxy-port", "8081", "--confdir", str(tmp_path / "c")]))
     )

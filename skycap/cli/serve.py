@@ -20,7 +20,7 @@ EXIT_RECORDS_LOST = 3
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from skycap.server.options import add_arguments
+    from skycap.server.flags import add_arguments
 
     add_arguments(parser)
     # D-31: a server keeps its records unless told not to.

@@ -604,12 +604,8 @@ class TrajectoryStore:
         """
         if self.record_dir is None or os.environ.get(JOURNALS_REPLAYED_VARIABLE) == "1":
             return  # a `serve --workers` supervisor replayed them once, before its workers
-        record_dir = self.record_dir
-
-        def write(trajectory: Trajectory) -> None:
-            write_record(trajectory, record_dir, decode_spans=self._decode_spans)
-
-        replayed = replay_journals(record_dir, write)
+        # Through _write_files, so a replayed record reaches the mirror like any other.
+        replayed = replay_journals(self.record_dir, lambda t: self._write_files(t, False))
         for trajectory in replayed.unwritten:
             live = self._adopt(trajectory)
             live.unwritten = True
