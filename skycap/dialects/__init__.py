@@ -16,9 +16,14 @@ spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
 - `assembler() -> Assembler`: an incremental reader of the upstream's SSE stream (text mode):
   `feed(chunk)`, `finish_seen` (the stream's last data is coming), `done`, `usage`, and
   `result() -> (message, finish_reason)`, which raises `StreamError`.
-- `issue(message, completion_ids) -> message`: token mode's parsed reply with the opaque
-  ids this dialect issues (tool call ids, thinking signatures); the result is stored and
-  answered, so a replay maps back to the exact node.
+- `issue(message, completion_ids, reasoning_ids=None) -> message`: token mode's parsed
+  reply with the opaque ids this dialect issues (tool call ids, thinking signatures); the
+  result is stored and answered, so a replay maps back to the exact node. Reasoning
+  signatures name `reasoning_ids` (the tokens through the end of the thinking, so a
+  stream can send them when the thinking ends), or the whole completion.
+
+Token mode's SSE written as a reply is generated is a `StreamWriter`, one per dialect in
+`skycap.dialects.writers` (`stream_writer(dialect, head, reasoning_keys)`).
 - `reply_id() -> str`: a fresh id for a token-mode reply (`chatcmpl-…`, `msg_…`).
 - `reply_json(reply: ReplyData) -> bytes` and `reply_sse(reply: ReplyData) -> bytes`: token
   mode's answer from plain data, as one JSON body or one buffered SSE body.
@@ -37,7 +42,7 @@ from typing import Any, Protocol
 
 from skycap.dialects.sse import StreamError
 
-__all__ = ["Assembler", "Dialect", "ReplyData", "Request", "StreamError"]
+__all__ = ["Assembler", "Dialect", "ReplyData", "Request", "StreamError", "StreamWriter"]
 
 
 @dataclass(slots=True)
@@ -104,6 +109,31 @@ class Assembler(Protocol):
     def result(self) -> tuple[dict[str, Any], str]: ...
 
 
+class StreamWriter(Protocol):
+    """A token-mode reply streamed as it is generated, in one dialect's SSE.
+
+    `start()` opens the stream; `delta(part, text)` sends reasoning or content text
+    (`part` is "reasoning" or "content"); `reasoning_done(message)` closes the thinking
+    with the issued reasoning message and returns (bytes, the message to store, which
+    may carry ids the writer streamed with); `end(reply)` sends the rest of the reply
+    (tool calls, the finish) after the commit; `error(status, message)` ends a failed
+    stream with the dialect's error event; `keepalive()` is sent after a silence.
+    Joined, a successful stream is the same reply `reply_sse` writes.
+    """
+
+    def start(self) -> bytes: ...
+
+    def delta(self, part: str, text: str) -> bytes: ...
+
+    def reasoning_done(self, message: dict[str, Any]) -> tuple[bytes, dict[str, Any]]: ...
+
+    def end(self, reply: ReplyData) -> bytes: ...
+
+    def error(self, status: int, message: str) -> bytes: ...
+
+    def keepalive(self) -> bytes: ...
+
+
 class Dialect(Protocol):
     """One harness API; see the module docstring for what each member does."""
 
@@ -117,7 +147,12 @@ class Dialect(Protocol):
 
     def assembler(self) -> Assembler: ...
 
-    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]: ...
+    def issue(
+        self,
+        message: dict[str, Any],
+        completion_ids: Sequence[int],
+        reasoning_ids: Sequence[int] | None = None,
+    ) -> dict[str, Any]: ...
 
     def reply_id(self) -> str: ...
 

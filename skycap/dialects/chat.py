@@ -301,7 +301,12 @@ class ChatDialect:
     def assembler(self) -> StreamAssembler:
         return StreamAssembler()
 
-    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]:
+    def issue(
+        self,
+        message: dict[str, Any],
+        completion_ids: Sequence[int],
+        reasoning_ids: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
         """Chat replies carry the renderer's own `call_…` ids; nothing more to issue."""
         return message
 

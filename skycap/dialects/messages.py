@@ -430,11 +430,17 @@ class MessagesDialect:
     def assembler(self) -> MessagesAssembler:
         return MessagesAssembler(_streamed_reply)
 
-    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]:
+    def issue(
+        self,
+        message: dict[str, Any],
+        completion_ids: Sequence[int],
+        reasoning_ids: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
         """`toolu_…` ids, a thinking block with skycap's signature, no empty text.
 
-        The signature names the completion's exact tokens, so a replayed thinking block
-        says which sampled reply it came from.
+        The signature names the exact tokens the thinking was sampled in (`reasoning_ids`,
+        through its end, or the whole completion), so a replayed thinking block says
+        which sampled reply it came from, and a stream can send it when the thinking ends.
         """
         out = {k: v for k, v in message.items() if k not in ("tool_calls", "reasoning_content")}
         if out.get("content") == "":
@@ -442,7 +448,8 @@ class MessagesDialect:
         reasoning = message.get("reasoning_content")
         if reasoning:
             out["reasoning_content"] = reasoning
-            signature = SIGNATURE_PREFIX + token_digest(completion_ids)
+            signing = completion_ids if reasoning_ids is None else reasoning_ids
+            signature = SIGNATURE_PREFIX + token_digest(signing)
             block = {"type": "thinking", "thinking": reasoning, "signature": signature}
             out["thinking_blocks"] = [block]
         calls = message.get("tool_calls")

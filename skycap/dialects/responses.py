@@ -51,7 +51,12 @@ class ResponsesDialect:
     def assembler(self) -> ResponsesAssembler:
         return ResponsesAssembler()
 
-    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]:
+    def issue(
+        self,
+        message: dict[str, Any],
+        completion_ids: Sequence[int],
+        reasoning_ids: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
         """Fresh `call_…` ids, and the reasoning item's id and opaque `encrypted_content`.
 
         Ids are fresh per reply, never derived from the tokens: two replies with the same
@@ -64,7 +69,8 @@ class ResponsesDialect:
             out["tool_calls"] = [{**call, "id": new_id("call")} for call in calls]
         reasoning = message.get("reasoning_content")
         if reasoning:
-            token = reasoning_token(token_digest(completion_ids), reasoning)
+            signing = completion_ids if reasoning_ids is None else reasoning_ids
+            token = reasoning_token(token_digest(signing), reasoning)
             out["reasoning_items"] = [{"id": new_id("rs"), "encrypted_content": token}]
         return out
 

@@ -59,8 +59,11 @@ FAULTS = frozenset(
         "hang",  # no answer until release() (then a normal answer) or stop() (then a close)
         "close",  # the connection is closed without an answer
         "missing_logprobs",  # 200 with vLLM's -9999.0 "no logprob" for the first token
+        "stream_break",  # a streamed reply whose connection closes after half its chunks
+        "stream_no_finish",  # a streamed reply that ends ([DONE]) without a finish reason
     }
 )
+ABORT_PATH = "/inference/v1/abort_requests"
 VERSIONS = ("0.33", "0.26")
 EXPERT_DTYPES = ("uint8", "uint16", "int32")
 
@@ -171,6 +174,16 @@ class ScriptedEngine:
         self.tokens_only = tokens_only
         self.scale_out = scale_out
         self.experts_dtype = experts_dtype
+        #: Streamed replies (`stream: true`): tokens per chunk, seconds between chunks and
+        #: before the first one (a long prefill or a queued request).
+        self.stream_chunk = 2
+        self.stream_pause = 0.0
+        self.first_token_delay = 0.0
+        #: Request ids aborted through `/inference/v1/abort_requests`.
+        self.aborted: list[str] = []
+        #: Streamed replies sent to their end.
+        self.streams_finished = 0
+        self._gate: tuple[int, threading.Event] | None = None
         self.requests: list[Request] = []
         self._faults: list[list[Any]] = []
         self._hangs: list[threading.Event] = []
@@ -244,6 +257,24 @@ class ScriptedEngine:
         """Let every hung call answer normally."""
         with self._cond:
             self._wake_hangs()
+
+    def hold_stream(self, before_chunk: int) -> None:
+        """Make streamed replies wait before chunk `before_chunk` until `resume_stream()`."""
+        with self._cond:
+            self._gate = (before_chunk, threading.Event())
+
+    def resume_stream(self) -> None:
+        with self._cond:
+            if self._gate is not None:
+                self._gate[1].set()
+            self._gate = None
+
+    def wait_for_abort(self, timeout: float = 5.0) -> str:
+        """Block until a request was aborted; its id (TimeoutError otherwise)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.aborted, timeout):
+                raise TimeoutError(f"no abort_requests call within {timeout} s")
+            return self.aborted[-1]
 
     @property
     def generated(self) -> list[Request]:
@@ -361,7 +392,80 @@ class ScriptedEngine:
         with self._cond:
             reply = self._replies.popleft() if self._replies else None
         reply = reply if reply is not None else self._script(body)
-        return 200, _json(self._answer(body, reply, fault))
+        answer = self._answer(body, reply, fault)
+        if body.get("stream") is True:
+            return 200, StreamedReply(self._stream_chunks(body, answer), fault)
+        return 200, _json(answer)
+
+    def _stream_chunks(self, body: dict[str, Any], answer: dict[str, Any]) -> list[dict[str, Any]]:
+        """The reply as 0.33's stream sends it (token_in_token_out/serving.py
+        `serve_tokens_stream_generator`, chunk shape protocol.py GenerateTokensStreamResponse):
+        one chunk per engine step with its token ids, logprob entries and mask rows; the
+        last carries the finish reason, stop reason and the whole routed-experts array
+        (v1/engine/output_processor.py concatenates them on finish); a usage chunk only
+        with `stream_options.include_usage`."""
+        request_id = f"generate-tokens-{body.get('request_id') or answer['request_id']}"
+        if not answer["choices"]:
+            return [{"request_id": request_id, "choices": []}]
+        choice = answer["choices"][0]
+        ids, entries = choice["token_ids"], (choice["logprobs"] or {}).get("content")
+        mask = choice.get("sampling_mask")
+        step = max(self.stream_chunk, 1)
+        chunks = []
+        for start in range(0, max(len(ids), 1), step):
+            part: dict[str, Any] = {
+                "index": 0,
+                "logprobs": None if entries is None else {"content": entries[start : start + step]},
+                "finish_reason": None,
+                "stop_reason": None,
+                "token_ids": ids[start : start + step],
+                "routed_experts": None,
+                "sampling_mask": None if mask is None else mask[start : start + step],
+                "weight_versions": None,
+            }
+            chunks.append(
+                {
+                    "request_id": request_id,
+                    "output_mode": "tokens",
+                    "usage": None,
+                    "choices": [part],
+                }
+            )
+        last = chunks[-1]["choices"][0]
+        last["finish_reason"] = choice["finish_reason"]
+        last["stop_reason"] = choice.get("stop_reason")
+        last["routed_experts"] = choice["routed_experts"]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            chunks.append(
+                {
+                    "request_id": request_id,
+                    "output_mode": "tokens",
+                    "choices": [],
+                    "usage": answer["usage"],
+                }
+            )
+        return chunks
+
+    def _abort(self, body: Any) -> tuple[int, bytes]:
+        """token_in_token_out/api_router.py `abort_requests` (0.33): 200, or 400 without ids."""
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if ids is None:
+            return 400, _json({"detail": "Missing 'request_ids' in request body"})
+        with self._cond:
+            self.aborted.extend(ids if isinstance(ids, list) else [ids])
+            self._cond.notify_all()
+        return 200, b""
+
+    def _stream_wait(self, index: int) -> None:
+        """Pause before chunk `index`: the first token's delay, the pause, or a held gate."""
+        with self._cond:
+            gate = self._gate
+        if gate is not None and gate[0] == index:
+            gate[1].wait()
+        delay = self.first_token_delay if index == 0 else self.stream_pause
+        if delay:
+            time.sleep(delay)  # the engine is generating
 
     def _answer(
         self, body: dict[str, Any], reply: Reply | str, fault: str | None
@@ -478,6 +582,14 @@ class ScriptedEngine:
             return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
+@dataclass
+class StreamedReply:
+    """A streamed generate answer: its chunks, and the stream fault to play, if any."""
+
+    chunks: list[dict[str, Any]]
+    fault: str | None
+
+
 def _bad_request(body: Any) -> str | None:
     """What vLLM would reject with a 400, or None."""
     if not isinstance(body, dict):
@@ -583,6 +695,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = None
         engine._record(Request("POST", self.path, dict(self.headers.items()), body))
+        if self.path.split("?", 1)[0] == ABORT_PATH:
+            self._send(*engine._abort(body))
+            return
         if self.path.split("?", 1)[0] != GENERATE_PATH:
             self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
             return
@@ -594,7 +709,50 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass  # already closed by stop()
             return
+        if isinstance(answer[1], StreamedReply):
+            self._stream(answer[1])
+            return
         self._send(*answer)
+
+    def _stream(self, reply: StreamedReply) -> None:
+        """Send the chunks as SSE, paced as the engine generates; stop after an abort."""
+        engine = self.server.engine
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunks = reply.chunks
+        request_id = chunks[0]["request_id"]
+        try:
+            for index, chunk in enumerate(chunks):
+                if reply.fault == "stream_break" and index >= max(len(chunks) // 2, 1):
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                engine._stream_wait(index)
+                with engine._cond:
+                    aborted = request_id in engine.aborted
+                if aborted:  # v1 engine: an aborted request finishes with "abort"
+                    end = {**chunk["choices"][0], "token_ids": [], "finish_reason": "abort"}
+                    end["logprobs"] = {"content": []}
+                    chunk = {**chunk, "choices": [end]}
+                elif reply.fault == "stream_no_finish" and chunk["choices"]:
+                    chunk["choices"][0]["finish_reason"] = None
+                self._chunk(b"data: " + _json(chunk) + b"\n\n")
+                if aborted:
+                    break
+            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+            with engine._cond:
+                engine.streams_finished += 1
+                engine._cond.notify_all()
+        except OSError:
+            self.close_connection = True  # the client went away: vLLM aborts the request
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
     def _send(self, status: int, payload: bytes) -> None:
         self.send_response(status)

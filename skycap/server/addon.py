@@ -41,7 +41,7 @@ from skycap.server.drain import (
     DrainSink,
     too_large_message,
 )
-from skycap.server.harness import Harness, harness_error, respond
+from skycap.server.harness import STREAMED, Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.store import Answer, TrajectoryStore
@@ -294,6 +294,8 @@ class SkycapAddon:
             with contextlib.suppress(LookupError):
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
+        if self.harness.streams is not None:
+            await self.harness.streams.start()
         self.store.recover()
         self.store.start()
         if self.backend is not None:
@@ -349,6 +351,8 @@ class SkycapAddon:
         if self.backend is not None:
             await self.backend.close()
         await self.sink.close()
+        if self.harness.streams is not None:
+            await self.harness.streams.close()
 
     # -- proxy listener --------------------------------------------------------------------------
 
@@ -531,6 +535,9 @@ class SkycapAddon:
                 call.on_response_headers(flow.response)
         elif flow.metadata.get(ROUTE, (None,))[0] == PASS:
             flow.response.stream = True  # passed through untouched, never buffered
+        elif flow.metadata.get(STREAMED):
+            flow.response.stream = True  # a token-mode reply, sent as it is generated
+            flow.response.headers.pop("connection", None)
 
     def response(self, flow: http.HTTPFlow) -> None:
         call: TextCall | None = flow.metadata.get(CALL)

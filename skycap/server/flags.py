@@ -35,6 +35,7 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
 | `--max-body-size BYTES` | `max_body_size` (D-10) | `skycap_max_body_size` |
 | `--upstream-timeout SECONDS` | `upstream_timeout` (D-11) | `skycap_upstream_timeout` |
+| `--keepalive SECONDS` | `keepalive` (D-51) | `skycap_keepalive` |
 | `--proxy-port PORT` | `proxy_port` (default None: off) | mitmproxy's `--mode regular@PORT` |
 | `--confdir DIR` | `confdir` (the proxy's CA) | mitmproxy's `--set confdir=DIR` |
 | `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
@@ -335,6 +336,14 @@ FLAGS: tuple[Flag, ...] = (
         "seconds an upstream call may go without progress before it fails with 502 "
         "(default: no limit)",
         convert=_number(float, "--upstream-timeout"),
+        metavar="SECONDS",
+    ),
+    Flag(
+        "--keepalive",
+        "keepalive",
+        "seconds of silence in a streamed token-mode reply after which a keep-alive is sent "
+        "(an Anthropic ping, an SSE comment for Chat Completions and Responses; default 15)",
+        convert=_number(float, "--keepalive"),
         metavar="SECONDS",
     ),
     Flag(

@@ -26,11 +26,16 @@ from skycap.server.options import ServerOptions
 from skycap.server.responses import UnknownResponse, place
 from skycap.server.retry import Conflict, Entry, Replay, call_key
 from skycap.server.store import SHUTTING_DOWN, UNKNOWN, Live, TrajectoryStore
+from skycap.server.stream_sink import StreamSink
 from skycap.server.textmode import TextCall, TextMode
+from skycap.tokens.streaming import ReplyStream
 from skycap.trajectory import is_trajectory_id
 from skycap.wire import BodyError, parse_json_body
 
 logger = logging.getLogger("skycap.server")
+
+#: Set on a flow answered from the stream sink: its response passes through unbuffered.
+STREAMED = "skycap.streamed"
 
 _JSON = ((b"content-type", b"application/json"),)
 NO_UPSTREAM = (
@@ -73,6 +78,9 @@ class Harness:
         self.store = store
         self.text = text
         self.backend = backend
+        self.keepalive = options.keepalive
+        #: Where streamed token-mode replies are served from (None in text mode).
+        self.streams = StreamSink() if text is None else None
 
     async def models(
         self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
@@ -248,10 +256,44 @@ class Harness:
     async def _token_call(
         self, flow: http.HTTPFlow, live: Live, request: Any, entry: Entry, dialect: Dialect
     ) -> None:
-        """Run the turn as its own task (a client disconnect does not cancel it); sealing does."""
-        task = asyncio.ensure_future(self.backend.call(live.trajectory, request, dialect))
+        """Run the turn as its own task (a client disconnect does not cancel it); sealing does.
+
+        A streamed call whose turn opens its stream (D-51) is re-targeted to the stream
+        sink and answered from there as it is generated; the turn settles when it ends.
+        """
+        stream = ReplyStream(self.keepalive) if request.stream and self.streams else None
+        task = asyncio.ensure_future(self.backend.call(live.trajectory, request, dialect, stream))
         live.inflight[task] = task.cancel
         live.touch()
+        if stream is not None:
+            opened = asyncio.ensure_future(stream.opened.wait())
+            try:
+                await asyncio.wait((task, opened), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                opened.cancel()
+            if stream.opened.is_set():
+                assert self.streams is not None
+                data = flow.request.data
+                data.scheme, data.host, data.port = b"http", "127.0.0.1", self.streams.port
+                data.path = self.streams.register(stream)
+                data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"))
+                data.content = b""
+                flow.metadata[STREAMED] = True
+                settling = asyncio.ensure_future(self._settle(task, None, live, entry, dialect))
+                live.inflight[settling] = lambda: None  # the task itself is what sealing cancels
+                settling.add_done_callback(lambda done: live.inflight.pop(done, None))
+                return
+        await self._settle(task, flow, live, entry, dialect)
+
+    async def _settle(
+        self,
+        task: asyncio.Future[Any],
+        flow: http.HTTPFlow | None,
+        live: Live,
+        entry: Entry,
+        dialect: Dialect,
+    ) -> None:
+        """Wait for the turn; settle its retry entry, count the commit, answer `flow` if any."""
         try:
             reply = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -260,15 +302,16 @@ class Harness:
             reply = None
         except Exception as exc:  # a backend bug must not take the connection's hook down
             logger.warning("token-mode call of %s failed: %r", live.id, exc)
-            message = f"token mode failed: {type(exc).__name__}: {exc}"
-            harness_error(flow, 500, message, None, dialect)
+            if flow is not None:
+                message = f"token mode failed: {type(exc).__name__}: {exc}"
+                harness_error(flow, 500, message, None, dialect)
             reply = None
         finally:
             live.inflight.pop(task, None)
             live.touch()
         if reply is None:
             entry.settle(None)
-            if flow.response is None and flow.killable:
+            if flow is not None and flow.response is None and flow.killable:
                 flow.kill()
             return
         fields = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
@@ -277,7 +320,8 @@ class Harness:
             self.store.note_commit(live, reply.call)
         elif not live.trajectory.is_open:
             live.cancel_inflight()
-        respond(flow, reply.status, reply.body, reply.headers)
+        if flow is not None:
+            respond(flow, reply.status, reply.body, reply.headers)
 
 
 def key_refusal(header: bytes | None, api_key: bytes | None = None) -> str:

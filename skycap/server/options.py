@@ -92,6 +92,7 @@ class ServerOptions:
     advertise_host: str = "127.0.0.1"
     max_body_size: int = GIB
     upstream_timeout: float | None = None
+    keepalive: float = 15.0
     sweep_interval: float = 60.0
     proxy_port: int | None = None
     confdir: str | Path | None = None
@@ -210,6 +211,7 @@ class ServerOptions:
         _positive(self.sweep_interval, "sweep_interval")
         if self.upstream_timeout is not None:
             _positive(self.upstream_timeout, "upstream_timeout")
+        _positive(self.keepalive, "keepalive")
         _integer(self.max_body_size, "max_body_size", low=1)
         _integer(self.renderer_pool_size, "renderer_pool_size", low=1)
         _integer(self.port, "port", low=0, high=65535)

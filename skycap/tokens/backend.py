@@ -10,6 +10,8 @@ the event loop; the HTTP calls to the engine are skycap.tokens.client's.
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -19,13 +21,15 @@ from typing import Any
 import httpx
 import orjson
 
-from skycap.dialects import Dialect, ReplyData, Request
+from skycap.dialects import Dialect, ReplyData, Request, StreamWriter
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.chat import REASONING_FIELDS
+from skycap.dialects.writers import stream_writer
 from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
 from skycap.tokens.client import CONNECT_TIMEOUT, EngineClient, engine_status_message
 from skycap.tokens.commit import CommitError, commit_turn
+from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
 from skycap.tokens.engine import (
     EngineError,
     EngineOutput,
@@ -34,7 +38,7 @@ from skycap.tokens.engine import (
 )
 from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
-from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
+from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer, RenderError, renderer_pool
 from skycap.tokens.reply import answered_message, finish_reason, reply_message
 from skycap.tokens.sampling import (
     SamplingError,
@@ -47,7 +51,15 @@ from skycap.tokens.sampling import (
     validate_sampling,
 )
 from skycap.tokens.stops import StopMatch, apply_stop, strip_stop
+from skycap.tokens.streaming import (
+    EngineRefused,
+    ReplyStream,
+    StreamedCompletion,
+    stream_completion,
+)
 from skycap.trajectory import FAILED, Trajectory
+
+logger = logging.getLogger(__name__)
 
 ENGINE_ERROR_BODY_LIMIT = 2000
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -208,8 +220,19 @@ class TokenBackend:
 
     # -- a harness call -------------------------------------------------------------------
 
-    async def call(self, trajectory: Trajectory, request: Request, dialect: Dialect) -> Reply:
-        """Run one turn for a call read by `dialect` (http.md §9.2); always returns a Reply."""
+    async def call(
+        self,
+        trajectory: Trajectory,
+        request: Request,
+        dialect: Dialect,
+        stream: ReplyStream | None = None,
+    ) -> Reply:
+        """Run one turn for a call read by `dialect` (http.md §9.2); always returns a Reply.
+
+        With `stream` (a streamed call), the reply is written there as it is generated once
+        nothing can refuse the call; a failure after that ends it with the dialect's error
+        event. The Reply returned is then the whole stream, for retries to replay.
+        """
         state = self._states.setdefault(trajectory.id, _TrajectoryState())
         async with state.lock:
             if not trajectory.is_open:
@@ -218,9 +241,12 @@ class TokenBackend:
                 )
             if request.token_refusal is not None:
                 return _error(dialect, 400, request.token_refusal)
+            relay = _Relay(stream) if stream is not None and request.stream else None
             try:
-                return await self._turn(trajectory, request, dialect, state)
+                return await self._turn(trajectory, request, dialect, state, relay)
             except _TurnFailed as failed:
+                if relay is not None and relay.writer is not None:
+                    relay.fail(failed.reply)
                 return failed.reply
 
     async def _turn(
@@ -229,6 +255,7 @@ class TokenBackend:
         request: Request,
         dialect: Dialect,
         state: _TrajectoryState,
+        relay: _Relay | None,
     ) -> Reply:
         t_start = time.time()
         # A dialect whose tools a template cannot all express renders fewer (D-29).
@@ -240,11 +267,30 @@ class TokenBackend:
         )
         room = self._check_limits(trajectory, request, len(plan.prompt_ids), dialect)
         sampling, engine_request = self._engine_request(request, plan, room, served, dialect)
-        output = await self._generate(trajectory, engine_request, plan.routes_from, dialect)
-        self._check_mask(trajectory, output, dialect)
-        stop = await self._apply_stop(output, sampling, plan)
+        reply_id = dialect.reply_id()
+        answered_model = self._answered_model(request)
+        streamed: StreamedCompletion | None = None
+        if relay is not None:
+            head = ReplyData(
+                reply_id, int(time.time()), answered_model, {}, "", len(plan.prompt_ids), 0, request
+            )
+            relay.open(stream_writer(dialect, head, self._reasoning_keys()))
+            streamed = await self._stream(
+                trajectory, request, dialect, plan, tools, sampling, engine_request, relay
+            )
+        if streamed is None:
+            output = await self._generate(trajectory, engine_request, plan.routes_from, dialect)
+            self._check_mask(trajectory, output, dialect)
+            stop = await self._apply_stop(output, sampling, plan)
+        else:
+            output, stop = streamed.output, streamed.stop
+            self._check_mask(trajectory, output, dialect)
         stored = await self._reply_message(trajectory, plan, output, tools, stop, dialect)
-        stored = dialect.issue(stored, output.completion_ids)
+        think = _reasoning_tokens(output.completion_ids, self._think_end)
+        reasoning_ids = output.completion_ids[:think] if think else None
+        stored = dialect.issue(stored, output.completion_ids, reasoning_ids)
+        if streamed is not None and relay is not None:
+            stored = relay.finish_parts(stored, streamed.reasoning)
         reason = "stop" if stop else finish_reason(output.finish_reason, stored)
         if reason == "tool_calls" and _names_a_tool(request.body.get("tool_choice")):
             reason = "stop"  # OpenAI and vLLM answer a forced named tool with "stop"
@@ -265,7 +311,6 @@ class TokenBackend:
         }
         if request.extras.get("omitted_tools"):
             call["omitted_tools"] = request.extras["omitted_tools"]
-        reply_id = dialect.reply_id()
         if dialect.reply_id_key is not None:
             call[dialect.reply_id_key] = reply_id
         status = self._commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
@@ -275,7 +320,7 @@ class TokenBackend:
         data = ReplyData(
             id=reply_id,
             created=int(time.time()),
-            model=self._answered_model(request),
+            model=answered_model,
             message=answered,
             finish_reason=reason,
             prompt_tokens=len(plan.prompt_ids),
@@ -288,7 +333,83 @@ class TokenBackend:
             state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id} (D-40)
         reply = self._answer(request, dialect, data, status)
         committed = call if status == "ok" else None
+        if relay is not None:
+            relay.end(data, reply.body if streamed is None else None)
         return Reply(reply.status, reply.headers, reply.body, reply.replayable, committed)
+
+    def _reasoning_keys(self) -> tuple[str, ...]:
+        """The reasoning keys a Chat Completions reply answers (`--reasoning-field`)."""
+        if self.use_raw_content:
+            return ()
+        if self.reasoning_field == "both":
+            return ("reasoning_content", "reasoning")
+        return (self.reasoning_field,)
+
+    async def _stream(
+        self,
+        trajectory: Trajectory,
+        request: Request,
+        dialect: Dialect,
+        plan: Plan,
+        tools: list[Any] | None,
+        sampling: Mapping[str, Any],
+        engine_request: dict[str, Any],
+        relay: _Relay,
+    ) -> StreamedCompletion | None:
+        """Generate with the engine's stream, relaying deltas; None when the wire declines."""
+        body = self.engine.stream_request(engine_request, f"skycap-{secrets.token_hex(8)}")
+        primary = self._pool.primary
+        if body is None or not hasattr(primary, "stream_decoder"):
+            return None
+        assert relay.writer is not None
+        stops = stop_strings(sampling)
+        splitter = DeltaSplitter(
+            Markup() if getattr(primary, "stream_markup", False) else None,
+            raw=self.use_raw_content,
+            thinking=await self._pool.run(lambda r: _prompt_opens_thinking(r, plan.prompt_ids)),
+            hold=max((len(s) for s in stops), default=1) - 1,
+        )
+        relay.splitter = splitter
+
+        async def reasoning_closed(through: list[int]) -> dict[str, Any] | None:
+            parsed = await self._pool.run(
+                lambda r: reply_message(r, through, tools, plan.prompt_ids, use_raw_content=False)
+            )
+            reasoning = parsed.get("reasoning_content")
+            if not reasoning:
+                return None
+            message = {"role": "assistant", "content": None, "reasoning_content": reasoning}
+            return dialect.issue(message, through, through)
+
+        try:
+            return await stream_completion(
+                self.client,
+                self._pool,
+                session_id=trajectory.id,
+                body=body,
+                routes_from=plan.routes_from,
+                prompt_ids=plan.prompt_ids,
+                stops=stops,
+                min_tokens=sampling.get("min_tokens") or 0,
+                skip_special_tokens=not self.keep_special_tokens,
+                splitter=splitter,
+                writer=relay.writer,
+                reply=relay.stream,
+                think_end=None if self.use_raw_content else self._think_end,
+                stop_token_ids=self._stop_token_ids,
+                on_reasoning_close=reasoning_closed,
+            )
+        except EngineRefused as refused:
+            text = refused.body[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")
+            trajectory.add_failure(refused.status, text)
+            status = refused.status if refused.status >= 500 else 502
+            raise _TurnFailed(
+                _error(dialect, status, engine_status_message(refused.status, text))
+            ) from None
+        except (EngineError, RenderError) as exc:
+            problem = f"engine: {exc}"
+            trajectory.add_failure(None, problem)
+            raise _TurnFailed(_error(dialect, 502, problem)) from exc
 
     def _check_mask(self, trajectory: Trajectory, output: EngineOutput, dialect: Dialect) -> None:
         """With `--sampling-mask`, a reply without masks means the engine lacks the flag."""
@@ -562,6 +683,85 @@ class TokenBackend:
         slot like any other renderer work.
         """
         return self._pool.call(lambda r: r.decode_spans(token_ids, context))
+
+
+def _prompt_opens_thinking(renderer: Renderer, prompt_ids: Sequence[int]) -> bool:
+    """Whether the prompt ends inside an opened thinking block (a template that prefills
+    `<think>`), so the completion starts with reasoning."""
+    tail = prompt_ids[-RAW_CONTENT_CONTEXT:]
+    steps = renderer.stream_decoder()  # type: ignore[attr-defined]
+    return "".join(steps(tail)).rstrip().endswith(Markup().think_open)
+
+
+class _Relay:
+    """A streamed call's writing side: the writer once opened, the splitter, the stream."""
+
+    def __init__(self, stream: ReplyStream) -> None:
+        self.stream = stream
+        self.writer: StreamWriter | None = None
+        self.splitter: DeltaSplitter | None = None
+        self._reasoning_done = False
+
+    def open(self, writer: StreamWriter) -> None:
+        """Nothing can refuse the call any more: the harness gets a 200 stream from here."""
+        self.writer = writer
+        headers = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+        self.stream.open(writer.keepalive(), headers)
+        self.stream.put(writer.start())
+
+    def finish_parts(self, stored: dict[str, Any], issued: dict[str, Any] | None) -> dict[str, Any]:
+        """Send what the parse has beyond the streamed parts; the message to store.
+
+        The reasoning issued while streaming keeps the ids it was sent with; a thinking
+        block that never closed is closed now, with the whole completion's signature.
+        """
+        assert self.writer is not None and self.splitter is not None
+        if issued is not None and issued.get("reasoning_content") == stored.get(
+            "reasoning_content"
+        ):
+            extra = {k: v for k, v in issued.items() if k not in _MESSAGE_KEYS}
+            stored = {**stored, **extra}
+        elif stored.get("reasoning_content"):
+            self._send(REASONING, stored.get("reasoning_content"))
+            data, stored = self.writer.reasoning_done(stored)
+            self.stream.put(data)
+        content = stored.get("content")
+        self._send(CONTENT, content if isinstance(content, str) else None)
+        return stored
+
+    def _send(self, part: str, final: str | None) -> None:
+        assert self.writer is not None and self.splitter is not None
+        rest = self.splitter.remainder(part, final)
+        if rest is None:
+            logger.info("streamed %s differs from the parsed reply; the record has the parse", part)
+        elif rest:
+            self.stream.put(self.writer.delta(part, rest))
+
+    def end(self, data: ReplyData, whole: bytes | None) -> None:
+        """After the commit: the rest of the reply (or all of it, when nothing streamed)."""
+        assert self.writer is not None
+        self.stream.put(whole if whole is not None else self.writer.end(data))
+        self.stream.close()
+
+    def fail(self, reply: Reply) -> None:
+        """End the stream with the dialect's error event for a failed turn."""
+        assert self.writer is not None
+        try:
+            message = _error_message(orjson.loads(reply.body))
+        except orjson.JSONDecodeError:
+            message = reply.body.decode("utf-8", "replace")
+        self.stream.put(self.writer.error(reply.status, message))
+        self.stream.close()
+
+
+#: The keys of a parsed reply message; the rest of an issued message is what a dialect issued.
+_MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls")
+
+
+def _error_message(body: Any) -> str:
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else str(body)
 
 
 def _reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> int:

@@ -1,4 +1,4 @@
-"""Token mode's HTTP wire to the engine: the generate call, its model list and session release.
+"""Token mode's HTTP wire to the engine: generate (whole or streamed), abort, models, release.
 
 One `httpx.AsyncClient` per backend, made on first use (so on the serving event loop), with
 the engine's key as `Authorization: Bearer` when one is set. The backend decides what a
@@ -8,9 +8,12 @@ reply means; this module only moves bytes and names transport failures.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import orjson
 
 from skycap.tokens.engine import EngineError, VLLMEngine
 
@@ -51,6 +54,74 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise EngineError(f"{type(exc).__name__} calling {url}: {exc}") from exc
         return response.status_code, response.content
+
+    @asynccontextmanager
+    async def stream(
+        self, session_id: str, payload: bytes
+    ) -> AsyncIterator[tuple[int, AsyncIterator[Any] | bytes]]:
+        """POST a streamed generate request: (status, its decoded `data:` chunks) on 200,
+        else (status, the error body). The chunks end at `data: [DONE]` or when the stream
+        does; transport failures, on connect or mid-stream, raise EngineError. Leaving the
+        block closes the stream (vLLM aborts a request whose client went away).
+        """
+        url = self.upstream_url + self.engine.generate_path
+        headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
+        request = self._http().build_request("POST", url, content=payload, headers=headers)
+        try:
+            response = await self._http().send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(url, exc) from exc
+        try:
+            if response.status_code != 200:
+                yield response.status_code, await response.aread()
+            else:
+                yield 200, self._chunks(url, response)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(url, exc) from exc
+        finally:
+            await response.aclose()
+
+    async def _chunks(self, url: str, response: httpx.Response) -> AsyncIterator[Any]:
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, `event:` lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                try:
+                    yield orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise EngineError(
+                        f"a stream chunk is not JSON ({exc}): {data[:200]!r}"
+                    ) from exc
+        except httpx.HTTPError as exc:
+            raise self._transport_error(url, exc) from exc
+
+    def _transport_error(self, url: str, exc: httpx.HTTPError) -> EngineError:
+        if isinstance(exc, httpx.ConnectTimeout):
+            return EngineError(f"could not connect to {url} within {CONNECT_TIMEOUT:g} s")
+        if isinstance(exc, httpx.TimeoutException):
+            return EngineError(f"timed out after {self.upstream_timeout:g} s")
+        return EngineError(f"{type(exc).__name__} calling {url}: {exc}")
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a streamed request inside the engine (best effort: the stream is closed too)."""
+        if not self.engine.abort_path:
+            return
+        url = self.upstream_url + self.engine.abort_path
+        try:
+            response = await self._http().post(
+                url,
+                json={"request_ids": [request_id]},
+                headers=self._auth(),
+                timeout=RELEASE_TIMEOUT,
+            )
+        except httpx.HTTPError as exc:
+            log.info("engine abort of %s failed: %s: %s", request_id, type(exc).__name__, exc)
+            return
+        if response.status_code >= 400:
+            log.info("engine abort of %s answered HTTP %s", request_id, response.status_code)
 
     @property
     def models_url(self) -> str:

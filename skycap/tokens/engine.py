@@ -94,6 +94,9 @@ class VLLMEngine:
     name: str = "vllm"
     generate_path: str = "/inference/v1/generate"
     release_path: str | None = None
+    #: Where a streamed request is stopped early (a stop string completed): vLLM 0.33's
+    #: token_in_token_out/api_router.py `abort_requests`; None: closing the stream is all.
+    abort_path: str | None = "/inference/v1/abort_requests"
     routes_from_supported: bool = True
     sampling_keys: frozenset[str] = frozenset(
         {
@@ -151,6 +154,17 @@ class VLLMEngine:
         if features:
             body["features"] = dict(features)
         return body
+
+    def stream_request(self, body: Mapping[str, Any], request_id: str) -> dict[str, Any] | None:
+        """The streamed form of a `request(...)` body, or None when this wire cannot stream.
+
+        vLLM (0.26 and 0.33) streams the generate route with `stream: true`
+        (token_in_token_out/serving.py `serve_tokens_stream_generator`): `data:` chunks of
+        token-id deltas with their logprobs and mask rows, routed experts on the last one,
+        then `[DONE]`. `request_id` names the request for `abort_path`. An engine whose wire
+        has no stream returns None, and the reply is synthesised at the end instead.
+        """
+        return {**body, "stream": True, "request_id": request_id}
 
     def parse(self, body: Any, *, routes_from: int = 0) -> EngineOutput:
         """Validate the decoded reply (http.md §10.3), then read side channels."""

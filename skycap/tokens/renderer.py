@@ -202,11 +202,34 @@ class LibraryRenderer:
                 "tokenizer.json-based tokenizer"
             )
         self._think_end = _single_token_id(self._tokenizer, "</think>")
+        markup = ("<think>", "</think>", "<tool_call>")
+        self._markup = all(_single_token_id(self._tokenizer, m) is not None for m in markup)
 
     @property
     def think_end_id(self) -> int | None:
         """The `</think>` token's id, when the tokenizer has it as one token."""
         return self._think_end
+
+    @property
+    def stream_markup(self) -> bool:
+        """Whether replies use `<think>` and `<tool_call>` markup (each one token), which a
+        stream can split into reasoning and content as the parser will (skycap.tokens.deltas).
+        """
+        return self._markup
+
+    def stream_decoder(self, context: Sequence[int] = ()) -> Callable[[Sequence[int]], list[str]]:
+        """An incremental decoder primed with `context`: each call takes the next token ids
+        and returns each one's text, special tokens kept ("" while a character is incomplete,
+        so no UTF-8 character is ever split). Thread-safe to call from any renderer slot."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(list(context) or None, skip_special_tokens=False)
+        backend = self._backend
+
+        def steps(token_ids: Sequence[int]) -> list[str]:
+            return [stream.step(backend, int(token)) or "" for token in token_ids]
+
+        return steps
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> Rendered:
         """Full render with the generation prompt."""
