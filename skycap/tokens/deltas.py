@@ -52,7 +52,15 @@ class DeltaSplitter:
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
         """Add decoded text; the deltas it makes safe to send."""
+        self.add(piece)
+        return self.take()
+
+    def add(self, piece: str) -> None:
+        """Add decoded text without sending anything yet (a stop string may end it here)."""
         self.text += piece
+
+    def take(self) -> list[tuple[str, str]]:
+        """The deltas the text so far makes safe to send, marked as sent."""
         if self._held:
             return []
         if self._phase == "start" and not self._begin():

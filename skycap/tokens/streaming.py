@@ -138,16 +138,7 @@ async def stream_completion(
             for offset, (token, piece) in enumerate(zip(ids, pieces, strict=True)):
                 if token in ending:
                     continue
-                for part, text in splitter.feed(piece):
-                    reply.put(writer.delta(part, text))
-                if token == think_end and splitter.in_reasoning:
-                    issued = await _close_reasoning(
-                        stream.token_ids[: first + offset + 1],
-                        splitter,
-                        writer,
-                        reply,
-                        on_reasoning_close,
-                    )
+                splitter.add(piece)
                 if stops and any(s in splitter.text[-(len(piece) + longest) :] for s in stops):
                     stop = await pool.run(
                         lambda r: find_stop(
@@ -160,7 +151,17 @@ async def stream_completion(
                         )
                     )
                     if stop is not None:
-                        break
+                        break  # what the stop string leaves is sent from the parse
+                for part, text in splitter.take():
+                    reply.put(writer.delta(part, text))
+                if token == think_end and splitter.in_reasoning:
+                    issued = await _close_reasoning(
+                        stream.token_ids[: first + offset + 1],
+                        splitter,
+                        writer,
+                        reply,
+                        on_reasoning_close,
+                    )
             if stop is not None:
                 if stream.request_id is not None and not stream.finished:
                     await client.abort(stream.request_id)
