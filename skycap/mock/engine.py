@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from skycap.mock.vllm_rules import cache_salt_problem, sampling_problem
+from skycap.mock.vllm_rules import cache_salt_problem, sampling_problem, stream_problem
 
 GENERATE_PATH = "/inference/v1/generate"
 
@@ -530,6 +530,10 @@ class ScriptedEngine:
         problem = sampling_problem(params)
         if problem:
             return problem
+        if body.get("stream") is True and self.version == "0.33":
+            problem = stream_problem(params)
+            if problem:
+                return problem
         if params.get("stop") and self.tokens_only:
             # token_in_token_out/serving.py `serve_tokens` (0.33)
             return (

@@ -66,3 +66,23 @@ def sampling_problem(params: dict[str, Any]) -> str | None:
             f"got {merged['min_tokens']}."
         )
     return None
+
+
+# How 0.33 streams the generate route, which the scripted engine's streamed replies follow
+# (skycap.mock.engine `_stream_chunks`; entrypoints/scale_out/token_in_token_out/serving.py
+# `serve_tokens_stream_generator`,
+# v1/engine/output_processor.py for what each delta carries):
+# - one `data:` chunk per engine step with only that step's `token_ids`, their
+#   `logprobs.content` entries and `sampling_mask` rows (mask chunks are cleared per delta);
+# - `finish_reason` and `stop_reason` only on the terminal chunk, which is always sent,
+#   even without new tokens (an abort), and the only one with `routed_experts` (the chunks
+#   are concatenated on finish);
+# - a `choices: []` usage chunk only with `stream_options.include_usage`, then
+#   `data: [DONE]`; an aborted request (api_router.py `abort_requests`) ends `abort`.
+
+
+def stream_problem(params: dict[str, Any]) -> str | None:
+    """token_in_token_out/serving.py `serve_tokens` (0.33): what a streamed request cannot ask."""
+    if params.get("prompt_logprob_token_ids") is not None:
+        return "prompt_logprob_token_ids are not available when stream=true."
+    return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,24 +20,24 @@ from typing import Any
 import httpx
 import orjson
 
-from skycap.dialects import Dialect, ReplyData, Request, StreamWriter
+from skycap.dialects import Dialect, ReplyData, Request
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.chat import REASONING_FIELDS
 from skycap.dialects.writers import stream_writer
-from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
 from skycap.tokens.client import CONNECT_TIMEOUT, EngineClient, engine_status_message
 from skycap.tokens.commit import CommitError, commit_turn
-from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
 from skycap.tokens.engine import (
     EngineError,
     EngineOutput,
     VLLMEngine,
     merge_sampling,
 )
+from skycap.tokens.interned import turn_lists
 from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
-from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer, RenderError, renderer_pool
+from skycap.tokens.relay import Relay, prompt_opens_thinking, reasoning_message
+from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
 from skycap.tokens.reply import answered_message, finish_reason, reply_message
 from skycap.tokens.sampling import (
     SamplingError,
@@ -63,11 +62,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE_ERROR_BODY_LIMIT = 2000
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-#: Token ids below this share one int object each in the lists kept between turns (D-27);
-#: the table grows to the largest id seen, at most 2**18 entries (~10 MB), once per process.
-SHARED_INT_LIMIT = 1 << 18
-_SHARED_INTS: list[int] = []
-_SHARED_INTS_GROWING = threading.Lock()
 #: Options the server's options object carries for this backend (TokenBackend keywords).
 OPTION_NAMES = (
     "upstream_url",
@@ -241,12 +235,12 @@ class TokenBackend:
                 )
             if request.token_refusal is not None:
                 return _error(dialect, 400, request.token_refusal)
-            relay = _Relay(stream) if stream is not None and request.stream else None
+            relay = Relay(stream) if stream is not None and request.stream else None
             try:
                 return await self._turn(trajectory, request, dialect, state, relay)
             except _TurnFailed as failed:
                 if relay is not None and relay.writer is not None:
-                    relay.fail(failed.reply)
+                    relay.fail(failed.reply.status, failed.reply.body)
                 return failed.reply
 
     async def _turn(
@@ -255,7 +249,7 @@ class TokenBackend:
         request: Request,
         dialect: Dialect,
         state: _TrajectoryState,
-        relay: _Relay | None,
+        relay: Relay | None,
     ) -> Reply:
         t_start = time.time()
         # A dialect whose tools a template cannot all express renders fewer (D-29).
@@ -354,32 +348,22 @@ class TokenBackend:
         tools: list[Any] | None,
         sampling: Mapping[str, Any],
         engine_request: dict[str, Any],
-        relay: _Relay,
+        relay: Relay,
     ) -> StreamedCompletion | None:
         """Generate with the engine's stream, relaying deltas; None when the wire declines."""
         body = self.engine.stream_request(engine_request, f"skycap-{secrets.token_hex(8)}")
         primary = self._pool.primary
         if body is None or not hasattr(primary, "stream_decoder"):
             return None
-        assert relay.writer is not None
         stops = stop_strings(sampling)
-        splitter = DeltaSplitter(
-            Markup() if getattr(primary, "stream_markup", False) else None,
-            raw=self.use_raw_content,
-            thinking=await self._pool.run(lambda r: _prompt_opens_thinking(r, plan.prompt_ids)),
-            hold=max((len(s) for s in stops), default=1) - 1,
-        )
-        relay.splitter = splitter
+        thinking = await self._pool.run(lambda r: prompt_opens_thinking(r, plan.prompt_ids))
+        splitter = relay.splitter_for(primary, self.use_raw_content, thinking, stops)
 
         async def reasoning_closed(through: list[int]) -> dict[str, Any] | None:
             parsed = await self._pool.run(
                 lambda r: reply_message(r, through, tools, plan.prompt_ids, use_raw_content=False)
             )
-            reasoning = parsed.get("reasoning_content")
-            if not reasoning:
-                return None
-            message = {"role": "assistant", "content": None, "reasoning_content": reasoning}
-            return dialect.issue(message, through, through)
+            return reasoning_message(dialect, parsed, through)
 
         try:
             return await stream_completion(
@@ -393,7 +377,7 @@ class TokenBackend:
                 min_tokens=sampling.get("min_tokens") or 0,
                 skip_special_tokens=not self.keep_special_tokens,
                 splitter=splitter,
-                writer=relay.writer,
+                writer=relay.writer_or_fail(),
                 reply=relay.stream,
                 think_end=None if self.use_raw_content else self._think_end,
                 stop_token_ids=self._stop_token_ids,
@@ -612,7 +596,7 @@ class TokenBackend:
             )
         if output.routed_experts is not None and state.experts_shape is None:
             state.experts_shape = tuple(output.routed_experts.shape[1:])
-        state.last_turn = _turn_lists(trajectory.graph, node.id, plan, output, state.last_turn)
+        state.last_turn = turn_lists(trajectory.graph, node.id, plan, output, state.last_turn)
         return "ok"
 
     def _answered_model(self, request: Request) -> str:
@@ -685,85 +669,6 @@ class TokenBackend:
         return self._pool.call(lambda r: r.decode_spans(token_ids, context))
 
 
-def _prompt_opens_thinking(renderer: Renderer, prompt_ids: Sequence[int]) -> bool:
-    """Whether the prompt ends inside an opened thinking block (a template that prefills
-    `<think>`), so the completion starts with reasoning."""
-    tail = prompt_ids[-RAW_CONTENT_CONTEXT:]
-    steps = renderer.stream_decoder()  # type: ignore[attr-defined]
-    return "".join(steps(tail)).rstrip().endswith(Markup().think_open)
-
-
-class _Relay:
-    """A streamed call's writing side: the writer once opened, the splitter, the stream."""
-
-    def __init__(self, stream: ReplyStream) -> None:
-        self.stream = stream
-        self.writer: StreamWriter | None = None
-        self.splitter: DeltaSplitter | None = None
-        self._reasoning_done = False
-
-    def open(self, writer: StreamWriter) -> None:
-        """Nothing can refuse the call any more: the harness gets a 200 stream from here."""
-        self.writer = writer
-        headers = {"content-type": "text/event-stream", "cache-control": "no-cache"}
-        self.stream.open(writer.keepalive(), headers)
-        self.stream.put(writer.start())
-
-    def finish_parts(self, stored: dict[str, Any], issued: dict[str, Any] | None) -> dict[str, Any]:
-        """Send what the parse has beyond the streamed parts; the message to store.
-
-        The reasoning issued while streaming keeps the ids it was sent with; a thinking
-        block that never closed is closed now, with the whole completion's signature.
-        """
-        assert self.writer is not None and self.splitter is not None
-        if issued is not None and issued.get("reasoning_content") == stored.get(
-            "reasoning_content"
-        ):
-            extra = {k: v for k, v in issued.items() if k not in _MESSAGE_KEYS}
-            stored = {**stored, **extra}
-        elif stored.get("reasoning_content"):
-            self._send(REASONING, stored.get("reasoning_content"))
-            data, stored = self.writer.reasoning_done(stored)
-            self.stream.put(data)
-        content = stored.get("content")
-        self._send(CONTENT, content if isinstance(content, str) else None)
-        return stored
-
-    def _send(self, part: str, final: str | None) -> None:
-        assert self.writer is not None and self.splitter is not None
-        rest = self.splitter.remainder(part, final)
-        if rest is None:
-            logger.info("streamed %s differs from the parsed reply; the record has the parse", part)
-        elif rest:
-            self.stream.put(self.writer.delta(part, rest))
-
-    def end(self, data: ReplyData, whole: bytes | None) -> None:
-        """After the commit: the rest of the reply (or all of it, when nothing streamed)."""
-        assert self.writer is not None
-        self.stream.put(whole if whole is not None else self.writer.end(data))
-        self.stream.close()
-
-    def fail(self, reply: Reply) -> None:
-        """End the stream with the dialect's error event for a failed turn."""
-        assert self.writer is not None
-        try:
-            message = _error_message(orjson.loads(reply.body))
-        except orjson.JSONDecodeError:
-            message = reply.body.decode("utf-8", "replace")
-        self.stream.put(self.writer.error(reply.status, message))
-        self.stream.close()
-
-
-#: The keys of a parsed reply message; the rest of an issued message is what a dialect issued.
-_MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls")
-
-
-def _error_message(body: Any) -> str:
-    error = body.get("error") if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    return message if isinstance(message, str) else str(body)
-
-
 def _reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> int:
     """The completion's tokens through the end of its thinking (Responses usage), or 0."""
     if think_end is None:
@@ -772,42 +677,6 @@ def _reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> i
         if token == think_end:
             return position + 1
     return 0
-
-
-def _turn_lists(
-    graph: Graph, node_id: int, plan: Plan, output: EngineOutput, last: TurnLists | None
-) -> TurnLists:
-    """The committed turn's token lists for the next plan's bridge, with shared ints (D-27).
-
-    A plan that bridged from `last`'s node got its first `reused` ids from `last`'s lists,
-    so only the ids after them are new objects to replace.
-    """
-    extended = (
-        last is not None and last.graph is graph and plan.bridged and plan.parent == last.node
-    )
-    return TurnLists(
-        graph,
-        node_id,
-        _interned(plan.prompt_ids, plan.reused if extended else 0),
-        _interned(output.completion_ids, 0),
-    )
-
-
-def _interned(ids: Sequence[int], start: int) -> list[int]:
-    """`ids` as a list whose ints from `start` on are the shared objects in `_SHARED_INTS`.
-
-    A kept list then costs 8 bytes a token rather than ~40, as every int the tokenizer or
-    the JSON parser makes is a separate 32-byte object. Only equal values are swapped in,
-    so a `start` too high costs memory, never correctness.
-    """
-    ids = ids if isinstance(ids, list) else list(ids)
-    tail = ids[start:]
-    top = min(max((t for t in tail if type(t) is int), default=-1), SHARED_INT_LIMIT - 1)
-    if len(_SHARED_INTS) <= top:
-        with _SHARED_INTS_GROWING:  # backends on other threads may grow it at the same time
-            _SHARED_INTS.extend(range(len(_SHARED_INTS), top + 1))
-    shared, size = _SHARED_INTS, len(_SHARED_INTS)
-    return ids[:start] + [shared[t] if type(t) is int and 0 <= t < size else t for t in tail]
 
 
 def _too_long(trajectory: Trajectory, dialect: Dialect, message: str) -> _TurnFailed:
