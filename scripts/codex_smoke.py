@@ -220,8 +220,10 @@ async def capture(
     )
 
 
-def serve(mode: str, provider: str, compact: bool, record_dir: Path) -> tuple[Any, Any, Any]:
-    """(CaptureService, model stand-in, its stop) for `mode`."""
+def serve(
+    mode: str, provider: str, compact: bool, record_dir: Path, **options: Any
+) -> tuple[Any, Any, Any]:
+    """(CaptureService, model stand-in, its stop) for `mode`; `options` go to the service."""
     from skycap import CaptureService
 
     proxy = {"proxy_port": 0} if provider == "default" else {}
@@ -230,7 +232,7 @@ def serve(mode: str, provider: str, compact: bool, record_dir: Path) -> tuple[An
 
         model = ScriptedResponsesUpstream(responses_script(compact))
         url = model.start()
-        service = CaptureService(url, record_dir=str(record_dir), **proxy)
+        service = CaptureService(url, record_dir=str(record_dir), **proxy, **options)
     else:
         import importlib.util
 
@@ -253,6 +255,7 @@ def serve(mode: str, provider: str, compact: bool, record_dir: Path) -> tuple[An
             # refuses any other name, such as the one Codex sends.
             record_dir=str(record_dir),
             **proxy,
+            **options,
         )
     return service, model, model.stop
 

@@ -71,3 +71,26 @@ def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> N
     # The command, the compaction (a summary with no tools), the answer on the new history.
     assert [c["finish_reason"] for c in outcome.calls] == ["tool_calls", "stop", "stop"]
     assert len(outcome.samples) >= 2  # compaction rewrites the history: a fork
+
+
+def test_codex_in_token_mode_outlasts_its_idle_timeout_on_a_slow_stream(tmp_path: Path) -> None:
+    """Each generation is silent longer than Codex's (shortened) stream idle timeout before
+    its first token, then streams slowly; skycap's keep-alives keep Codex from dropping the
+    stream and retrying (which would sample the turn again and fork the path)."""
+    assert BINARY is not None, "CI=true: the Codex CLI must be installed (.ci/run)"
+    service, engine, stop_model = codex_smoke.serve(
+        "tokens", "base-url", False, tmp_path / "rec", keepalive=0.25
+    )
+    engine.stream_chunk, engine.stream_pause, engine.first_token_delay = 1, 0.02, 1.5
+    url = service.start()
+    idle = ("model_providers.skycap.stream_idle_timeout_ms=1000",)
+    try:
+        outcome = asyncio.run(
+            codex_smoke.capture(url, BINARY, "base-url", False, tmp_path, config=idle)
+        )
+    finally:
+        service.stop()
+        stop_model()
+    calls = check_one_path(outcome, "tokens")
+    assert all(c["t_end"] - c["t_start"] > 1.0 for c in calls)  # each outlasted the timeout
+    assert len(engine.generated) == 2 and all(r.body["stream"] for r in engine.generated)

@@ -176,13 +176,19 @@ def test_anthropic_stream_thinking_text_and_a_tool_call_split_across_chunks(
 def test_responses_stream_equals_the_stored_reply(control: Control, engine: ScriptedEngine) -> None:
     trajectory = control.create()
     engine.queue(THOUGHT + ANSWER)
+    engine.hold_stream(before_chunk=0)
     client = _chat(trajectory)
     deltas: list[str] = []
+    kinds: list[str] = []
     with client.responses.stream(model="p", input="find x") as stream:
         for event in stream:
+            kinds.append(event.type)
+            if kinds.count("keepalive") == 2:
+                engine.resume_stream()  # the SDK read two keep-alive events meanwhile
             if event.type == "response.output_text.delta":
                 deltas.append(event.delta)
         final = stream.get_final_response()
+    assert kinds.index("keepalive") < kinds.index("response.reasoning_text.delta")
     assert len(deltas) > 3 and "".join(deltas) == final.output_text == ANSWER
     assert [item.type for item in final.output] == ["reasoning", "message"]
     stored = control.document(trajectory["id"]).json()["nodes"][-1]["message"]

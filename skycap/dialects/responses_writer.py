@@ -4,7 +4,8 @@ The events joined are what `response_sse` writes for the same reply: `response.c
 and `response.in_progress`, the reasoning item (its text deltas as they come, then the
 item with skycap's `encrypted_content` when the thinking ends), the message item's
 output-text deltas, each function call item whole once parsed, then
-`response.completed` (or `response.incomplete`). A failure is `response.failed`.
+`response.completed` (or `response.incomplete`). A failure is `response.failed`; a
+keep-alive is the API's own `keepalive` event.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from skycap.dialects.responses_reply import (
     response_object,
     sse_event,
 )
-
-KEEPALIVE = b": keep-alive\n\n"
 
 
 class ResponsesWriter:
@@ -105,7 +104,9 @@ class ResponsesWriter:
         return self._events([("response.failed", {"response": failed})])
 
     def keepalive(self) -> bytes:
-        return KEEPALIVE
+        """The Responses API's own `keepalive` event: Codex's idle timer counts events, and
+        an SSE comment is no event; the SDKs skip the type."""
+        return self._events([("keepalive", {})])
 
     def _item_id(self, kind: str) -> str:
         if kind == "reasoning":

@@ -342,7 +342,8 @@ FLAGS: tuple[Flag, ...] = (
         "--keepalive",
         "keepalive",
         "seconds of silence in a streamed token-mode reply after which a keep-alive is sent "
-        "(an Anthropic ping, an SSE comment for Chat Completions and Responses; default 15)",
+        "(an Anthropic ping, a Responses keepalive event, an SSE comment for Chat "
+        "Completions; default 15)",
         convert=_number(float, "--keepalive"),
         metavar="SECONDS",
     ),

@@ -56,7 +56,7 @@ class Relay:
         """Nothing can refuse the call any more: the harness gets a 200 stream from here."""
         self.writer = writer
         headers = {"content-type": "text/event-stream", "cache-control": "no-cache"}
-        self.stream.open(writer.keepalive(), headers)
+        self.stream.open(writer.keepalive, headers)
         self.stream.put(writer.start())
 
     def writer_or_fail(self) -> StreamWriter:

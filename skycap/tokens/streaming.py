@@ -45,12 +45,13 @@ class ReplyStream:
         self.opened = asyncio.Event()
         self.headers: dict[str, str] = {}
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._keepalive_bytes = b""
+        self._keepalive: Callable[[], bytes] = bytes
         #: Set by the server when the harness did not read the stream to its end.
         self.harness_left = False
 
-    def open(self, keepalive_bytes: bytes, headers: dict[str, str]) -> None:
-        self._keepalive_bytes = keepalive_bytes
+    def open(self, keepalive: Callable[[], bytes], headers: dict[str, str]) -> None:
+        """Start answering; `keepalive` makes the bytes sent after each silence."""
+        self._keepalive = keepalive
         self.headers = headers
         self.opened.set()
 
@@ -67,7 +68,8 @@ class ReplyStream:
             try:
                 item = await asyncio.wait_for(self._queue.get(), self.keepalive)
             except TimeoutError:
-                yield self._keepalive_bytes
+                if self._queue.empty():  # bytes put as the wait ran out go first
+                    yield self._keepalive()
                 continue
             if item is None:
                 return
