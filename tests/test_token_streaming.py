@@ -286,3 +286,17 @@ def test_a_harness_that_disconnects_mid_stream_still_commits(
         return any(n["author"] == "model" for n in nodes)
 
     wait_for(committed, timeout=10, what="the call to commit")
+
+
+def test_a_finish_during_a_stream_ends_it_with_an_error_event(
+    control: Control, engine: ScriptedEngine
+) -> None:
+    trajectory = control.create()
+    engine.queue(THOUGHT + ANSWER)
+    engine.hold_stream(before_chunk=4)
+    stream = _chat(trajectory).chat.completions.create(model="p", messages=START, stream=True)
+    first = next(iter(stream))  # the stream is open and the engine is held mid-reply
+    assert first.choices[0].delta.role == "assistant"
+    assert control.finish(trajectory["id"]).status_code == 200
+    with pytest.raises(openai.APIError, match="closed while this call ran"):
+        list(stream)

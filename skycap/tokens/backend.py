@@ -239,9 +239,19 @@ class TokenBackend:
             try:
                 return await self._turn(trajectory, request, dialect, state, relay)
             except _TurnFailed as failed:
-                if relay is not None and relay.writer is not None:
+                if relay is not None:
                     relay.fail(failed.reply.status, failed.reply.body)
                 return failed.reply
+            except BaseException as exc:  # cancelled (the trajectory closed) or a bug
+                if relay is not None:
+                    cancelled = isinstance(exc, asyncio.CancelledError)
+                    status, message = (
+                        (410, "the trajectory was closed while this call ran")
+                        if cancelled
+                        else (500, f"token mode failed: {type(exc).__name__}: {exc}")
+                    )
+                    relay.fail(status, dialect.error(status, message))
+                raise
 
     async def _turn(
         self,

@@ -51,6 +51,7 @@ class Relay:
         self.stream = stream
         self.writer: StreamWriter | None = None
         self.splitter: DeltaSplitter | None = None
+        self._closed = False
 
     def open(self, writer: StreamWriter) -> None:
         """Nothing can refuse the call any more: the harness gets a 200 stream from here."""
@@ -103,10 +104,14 @@ class Relay:
         """After the commit: the rest of the reply (or all of it, when nothing streamed)."""
         self.stream.put(whole if whole is not None else self.writer_or_fail().end(data))
         self.stream.close()
+        self._closed = True
 
     def fail(self, status: int, body: bytes) -> None:
-        """End the stream with the dialect's error event for a turn that failed (`body` is
-        the dialect's error JSON)."""
+        """End an opened stream with the dialect's error event for a turn that failed
+        (`body` is the dialect's error JSON); nothing when it was not opened or is done."""
+        if self.writer is None or self._closed:
+            return
+        self._closed = True
         try:
             message = _error_message(orjson.loads(body))
         except orjson.JSONDecodeError:
