@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from skycap.tokens.engine import (
 from skycap.tokens.interned import turn_lists
 from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
-from skycap.tokens.relay import Relay, prompt_opens_thinking, reasoning_message
+from skycap.tokens.relay import Relay
 from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
 from skycap.tokens.reply import answered_message, finish_reason, reply_message
 from skycap.tokens.sampling import (
@@ -54,7 +53,6 @@ from skycap.tokens.streaming import (
     EngineRefused,
     ReplyStream,
     StreamedCompletion,
-    stream_completion,
 )
 from skycap.trajectory import FAILED, Trajectory
 
@@ -361,37 +359,21 @@ class TokenBackend:
         relay: Relay,
     ) -> StreamedCompletion | None:
         """Generate with the engine's stream, relaying deltas; None when the wire declines."""
-        body = self.engine.stream_request(engine_request, f"skycap-{secrets.token_hex(8)}")
-        primary = self._pool.primary
-        if body is None or not hasattr(primary, "stream_decoder"):
-            return None
-        stops = stop_strings(sampling)
-        thinking = await self._pool.run(lambda r: prompt_opens_thinking(r, plan.prompt_ids))
-        splitter = relay.splitter_for(primary, self.use_raw_content, thinking, stops)
-
-        async def reasoning_closed(through: list[int]) -> dict[str, Any] | None:
-            parsed = await self._pool.run(
-                lambda r: reply_message(r, through, tools, plan.prompt_ids, use_raw_content=False)
-            )
-            return reasoning_message(dialect, parsed, through)
-
         try:
-            return await stream_completion(
+            return await relay.generate(
                 self.client,
                 self._pool,
                 session_id=trajectory.id,
-                body=body,
-                routes_from=plan.routes_from,
-                prompt_ids=plan.prompt_ids,
-                stops=stops,
+                engine_request=engine_request,
+                plan=plan,
+                tools=tools,
+                dialect=dialect,
+                stops=stop_strings(sampling),
                 min_tokens=sampling.get("min_tokens") or 0,
+                raw=self.use_raw_content,
                 skip_special_tokens=not self.keep_special_tokens,
-                splitter=splitter,
-                writer=relay.writer_or_fail(),
-                reply=relay.stream,
-                think_end=None if self.use_raw_content else self._think_end,
+                think_end=self._think_end,
                 stop_token_ids=self._stop_token_ids,
-                on_reasoning_close=reasoning_closed,
             )
         except EngineRefused as refused:
             text = refused.body[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")

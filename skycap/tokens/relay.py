@@ -9,15 +9,19 @@ the commit, or the dialect's error event for a turn that failed after opening.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from skycap.dialects import Dialect, ReplyData, StreamWriter
+from skycap.tokens.client import EngineClient
 from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
-from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer
-from skycap.tokens.streaming import ReplyStream
+from skycap.tokens.plan import Plan
+from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer, RendererPool
+from skycap.tokens.reply import reply_message
+from skycap.tokens.streaming import ReplyStream, StreamedCompletion, stream_completion
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,56 @@ class Relay:
     def writer_or_fail(self) -> StreamWriter:
         assert self.writer is not None, "the relay is not open"
         return self.writer
+
+    async def generate(
+        self,
+        client: EngineClient,
+        pool: RendererPool,
+        *,
+        session_id: str,
+        engine_request: dict[str, Any],
+        plan: Plan,
+        tools: list[Any] | None,
+        dialect: Dialect,
+        stops: Sequence[str],
+        min_tokens: int,
+        raw: bool,
+        skip_special_tokens: bool,
+        think_end: int | None,
+        stop_token_ids: Sequence[int],
+    ) -> StreamedCompletion | None:
+        """Stream the completion through this relay; None when the engine's wire or the
+        renderer cannot stream. Raises EngineRefused, EngineError or RenderError."""
+        body = client.engine.stream_request(engine_request, f"skycap-{secrets.token_hex(8)}")
+        primary = pool.primary
+        if body is None or not hasattr(primary, "stream_decoder"):
+            return None
+        thinking = await pool.run(lambda r: prompt_opens_thinking(r, plan.prompt_ids))
+        splitter = self.splitter_for(primary, raw, thinking, stops)
+
+        async def reasoning_closed(through: list[int]) -> dict[str, Any] | None:
+            parsed = await pool.run(
+                lambda r: reply_message(r, through, tools, plan.prompt_ids, use_raw_content=False)
+            )
+            return reasoning_message(dialect, parsed, through)
+
+        return await stream_completion(
+            client,
+            pool,
+            session_id=session_id,
+            body=body,
+            routes_from=plan.routes_from,
+            prompt_ids=plan.prompt_ids,
+            stops=stops,
+            min_tokens=min_tokens,
+            skip_special_tokens=skip_special_tokens,
+            splitter=splitter,
+            writer=self.writer_or_fail(),
+            reply=self.stream,
+            think_end=None if raw else think_end,
+            stop_token_ids=stop_token_ids,
+            on_reasoning_close=reasoning_closed,
+        )
 
     def splitter_for(
         self, renderer: Renderer, raw: bool, thinking: bool, stops: Sequence[str]
