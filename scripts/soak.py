@@ -136,7 +136,17 @@ class Workers:
         return url not in self.dead
 
     def start(self) -> None:
-        """Start the supervisor and wait for its line naming every worker."""
+        """Start the supervisor and wait for its line naming every worker; on new ports if
+        another process took one of these since they were found free."""
+        for _ in range(3):
+            try:
+                return self._start()
+            except PortTaken:
+                self.port = _free_ports(self.count)
+                self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(self.count)]
+        raise SystemExit("the supervisor could not get its ports three times")
+
+    def _start(self) -> None:
         command = [sys.executable, "-m", "skycap.cli.main", "serve", "--port", str(self.port)]
         self.process = subprocess.Popen(
             [*command, *self.args], stderr=subprocess.PIPE, text=True, env=ENV
@@ -163,8 +173,10 @@ class Workers:
                         return line
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.process is not None and self.process.poll() is not None):
+                    if any("address already in use" in line for line in self.lines):
+                        raise PortTaken()
                     raise SystemExit(f"no line with {text!r} from the supervisor: {self.lines}")
-                self.seen.wait(left)
+                self.seen.wait(min(left, 1.0))  # also notices the supervisor exiting
 
     def _pids(self) -> list[int]:
         """The workers' process ids, in start order (the supervisor's children)."""
@@ -210,6 +222,10 @@ class Workers:
         with self.seen:
             said = [line for line in self.lines if "recovered from crash journals" in line]
         return said[0] if said else "no crash journal to replay"
+
+
+class PortTaken(Exception):
+    """A worker could not listen: another process took its port after it was found free."""
 
 
 def _free_ports(count: int) -> int:
@@ -333,7 +349,7 @@ async def trajectory_loop(
             messages.append({"role": "assistant", "content": text})
         if server.live(url):
             await finish(trajectory_id, server, url, stats, client)
-        elif stats.answered[trajectory_id]:  # one with no call left no journal, and no record
+        else:
             stats.deferred.append(trajectory_id)
 
 
@@ -364,8 +380,7 @@ async def finish(
     for _ in range(100):
         await server.up.wait()
         if not server.live(url):
-            if stats.answered[trajectory_id]:
-                stats.deferred.append(trajectory_id)
+            stats.deferred.append(trajectory_id)
             return
         try:
             response = await client.post(
@@ -380,6 +395,8 @@ async def finish(
             stats.finished.add(trajectory_id)
             return
         stats.error(f"finish: {response.status_code}")
+        if response.status_code == 404:  # killed before any call committed: no journal
+            return
         await asyncio.sleep(0.5)
 
 
@@ -414,9 +431,11 @@ async def faults(server: Servers, upstream: ScriptedUpstream, disk: Disk, every:
             await server.fault()
 
 
-async def memory(server: Servers, samples: list[tuple[float, float]], start: float, deadline):
+async def memory(server: Servers, samples: list[tuple[float, float, int]], start: float, deadline):
+    """Every 5 s: (seconds in, resident MiB, server processes alive)."""
     while time.monotonic() < deadline:
-        samples.append((time.monotonic() - start, server.rss_mib()))
+        alive = sum(1 for url in server.urls if server.live(url))
+        samples.append((time.monotonic() - start, server.rss_mib(), alive))
         await asyncio.sleep(5.0)
 
 
@@ -458,6 +477,11 @@ def verify(record_dir: Path, stats: Stats) -> tuple[int, int, list[str]]:
     return answered, recorded, lost
 
 
+def _rss(seconds: float, mib: float, alive: int, workers: int) -> str:
+    """One memory sample; with workers, the sum and how many workers it is over."""
+    return f"{seconds:.0f}s {mib:.0f} MiB" + (f" ({alive} live)" if workers else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0)
@@ -481,10 +505,10 @@ def main() -> int:
             if args.workers
             else Server(upstream.base_url, disk.path)
         )
-        server.start()
         stats = Stats()
-        samples: list[tuple[float, float]] = []
+        samples: list[tuple[float, float, int]] = []
         try:
+            server.start()
             asyncio.run(soak(args, server, upstream, disk, stats, samples))
             upstream.clear_faults()
             code, stderr = server.stop()
@@ -499,7 +523,8 @@ def main() -> int:
             answered, recorded, lost = verify(disk.path, stats)
         finally:
             if server.process is not None and server.process.poll() is None:
-                server.process.kill()
+                server.process.terminate()  # a supervisor stops its workers on SIGTERM
+                server.process.wait(timeout=300)
             disk.unmount()
         tracebacks = stderr.count("Traceback")
         kills = f"{server.kills} kill -9" + (" of a worker" if args.workers else "")
@@ -513,7 +538,15 @@ def main() -> int:
         print(
             "refused or failed: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.errors.items()))
         )
-        print("server RSS over time: " + ", ".join(f"{t:.0f}s {m:.0f} MiB" for t, m in samples))
+        unfinished = [i for i in stats.answered if i not in stats.finished]
+        if unfinished:
+            empty = sum(1 for i in unfinished if not stats.answered[i])
+            print(
+                f"unfinished {len(unfinished)}, {empty} of them with no answered call (no record)"
+            )
+        print(
+            "server RSS over time: " + ", ".join(_rss(t, m, n, args.workers) for t, m, n in samples)
+        )
         return 1 if lost or answered != recorded or not good or tracebacks else 0
 
 

@@ -1,14 +1,16 @@
 """Fuzzed Anthropic Messages and Responses bodies over real sockets, in text and token mode.
 
 Whatever the body, skycap answers a 200 or a 4xx in the caller's own error shape with a
-message, never a 5xx or a traceback, and keeps serving (issue 17's fuzzing; chat, create,
-finish and raw bytes are fuzzed in test_input_limits.py).
+message, never a 5xx or a traceback (in the answer or the server's log), and keeps
+serving (issue 17's fuzzing; chat, create, finish and raw bytes are fuzzed in
+test_input_limits.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,13 +221,31 @@ def server(
             ScriptedAnthropicUpstream if request.param == "messages" else ScriptedResponsesUpstream
         )
         upstream = kind()
-    with upstream as mock:
-        if mock is not None:
-            options = ServerOptions(mock.base_url, record_dir=records)
-        thread = ServerThread(options)
-        thread.start()
-        yield thread
-        thread.stop()
+    failures = _Failures()
+    logging.getLogger().addHandler(failures)
+    try:
+        with upstream as mock:
+            if mock is not None:
+                options = ServerOptions(mock.base_url, record_dir=records)
+            thread = ServerThread(options)
+            thread.start()
+            yield thread
+            thread.stop()
+    finally:
+        logging.getLogger().removeHandler(failures)
+    assert not failures.records, [r.getMessage() for r in failures.records]
+
+
+class _Failures(logging.Handler):
+    """The log records carrying a traceback (`logger.exception`) while the server ran."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.records.append(record)
 
 
 def _post(server: ServerThread, route: str, body: Any) -> httpx.Response:
