@@ -64,9 +64,8 @@ def ray_cluster() -> Iterator[Any]:
     except Exception as exc:
         if cluster is not None:
             cluster.shutdown()
-        # D-47 asks for a hard failure under CI; until the Ray path has run green on this
-        # machine once (its raylets time out at start under load), a skip keeps the reason
-        # visible without turning every unrelated run red.
+        if os.environ.get("CI") == "true":  # D-47: never skipped under CI
+            raise
         pytest.skip(f"a local Ray cluster could not start on this machine: {exc}")
     yield cluster
     ray.shutdown()

@@ -26,27 +26,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from skycap.record.copier import CopyTimeout, open_copier
+from skycap.record.fsspec_store import error_text, open_store, redact, transient
 from skycap.record.layout import KINDS, document_name, sidecar_name
 
 logger = logging.getLogger("skycap.mirror")
 
 SNAPSHOT_DIR = ".mirror"
 PENDING, COPIED, FAILED, EXCLUDED = "pending", "copied", "failed", "excluded"
-MISSING_EXTRA = (
-    "the record mirror needs fsspec and the package of the URL's protocol: install "
-    "skycap[remote] (in a checkout: uv sync --extra remote)"
-)
 # States of this many records are remembered for finish answers (ids only, oldest out).
 STATES_KEPT = 100_000
-ERROR_CHARS = 300
-# OSErrors that a retry cannot fix (python-api.md §9); every other OSError is transient.
-PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
-PERMANENT += (FileExistsError,)
-# Transport errors of the S3 and HTTP clients (botocore, aiohttp) that are not OSErrors;
-# matched by class name so this module imports no client library.
-TRANSIENT_NAMES = frozenset({"ConnectionError", "HTTPClientError", "ClientConnectionError"})
 
 
 @dataclass(frozen=True)
@@ -130,45 +120,8 @@ def _seconds(value: Any, key: str, *, zero: bool) -> None:
         raise ValueError(f"record_mirror_config {key} must be finite and {bound}, got {value}")
 
 
-def redact(url: str) -> str:
-    """`url` without a password in its userinfo (`s3://key:secret@bucket` -> `s3://key@bucket`)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}@{netloc}" if user else netloc))
-
-
-def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """(fsspec filesystem, root path inside it) for a mirror URL; fails fast and clearly.
-
-    A missing fsspec, or a protocol whose package is not installed (gcsfs for gs://, ...),
-    is an ImportError naming the `remote` extra; an unknown protocol is a ValueError.
-    """
-    try:
-        from fsspec.core import url_to_fs
-    except ImportError:
-        raise ImportError(f"{redact(url)}: {MISSING_EXTRA}") from None
-    try:
-        fs, root = url_to_fs(url, **dict(storage_options or {}))
-    except ImportError as exc:
-        raise ImportError(f"{redact(url)}: {_one_line(exc)}; {MISSING_EXTRA}") from None
-    except ValueError as exc:
-        raise ValueError(f"{redact(url)} is not a usable fsspec URL: {_one_line(exc)}") from None
-    return fs, root.rstrip("/")
-
-
 def join_url(url: str, name: str) -> str:
     return f"{url.rstrip('/')}/{name}"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:ERROR_CHARS]
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {_one_line(exc)}"
 
 
 def mirrored_files(files: list[str], trajectory_id: str, exclude: tuple[str, ...]) -> list[str]:
@@ -203,7 +156,9 @@ class RecordMirror:
         self._running: set[str] = set()
         self._states: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._threads: list[threading.Thread] = []
-        self._hanging: list[threading.Thread] = []
+        self._copier = open_copier(
+            self.url, self.config.storage_options, self._fs, self._root, self.config.workers
+        )
         self._closed = False
         self._stop = threading.Event()
         self._sequence = itertools.count()
@@ -233,7 +188,7 @@ class RecordMirror:
         try:
             self._submit(Path(record_dir), trajectory_id, files, hold)
         except Exception as exc:  # fail-open: the local record is written, that is what counts
-            self._drop(trajectory_id, f"could not queue the copy: {_error_text(exc)}")
+            self._drop(trajectory_id, f"could not queue the copy: {error_text(exc)}")
 
     def _submit(self, record_dir: Path, trajectory_id: str, files: list[str], hold: bool) -> None:
         names = mirrored_files(files, trajectory_id, self.config.exclude)
@@ -343,6 +298,7 @@ class RecordMirror:
             self._lock.notify_all()
         for job in left:
             _unpin(job)
+        self._copier.close(wait=not running)
         lost = sorted(job.trajectory_id for job in left) + running
         if lost:
             shown = ", ".join(lost[:20]) + (f" and {len(lost) - 20} more" if len(lost) > 20 else "")
@@ -398,7 +354,7 @@ class RecordMirror:
             try:
                 state, error = self._copy(job)
             except Exception as exc:  # a bug here must not kill the worker
-                state, error = FAILED, _error_text(exc)
+                state, error = FAILED, error_text(exc)
             finally:
                 _unpin(job)
             with self._lock:
@@ -431,7 +387,7 @@ class RecordMirror:
                     self.counters["timed_out"] += 1
                 return FAILED, f"{name}: {exc}"
             except Exception as exc:
-                return FAILED, f"{name}: {_error_text(exc)}"
+                return FAILED, f"{name}: {error_text(exc)}"
         return (EXCLUDED if job.excluded else COPIED), None
 
     def _copy_file(self, local: Path, remote: str) -> None:
@@ -457,48 +413,17 @@ class RecordMirror:
             return
 
     def _put_within_timeout(self, local: Path, remote: str) -> None:
-        """`put_file` on its own daemon thread, abandoned (not retried) past `timeout`."""
-        with self._lock:
-            self._hanging = [t for t in self._hanging if t.is_alive()]
-            if len(self._hanging) >= 2 * self.config.workers:
-                raise _Abandoned(
-                    f"{len(self._hanging)} earlier copies still hang past the "
-                    f"{self.config.timeout:g} s timeout; not trying"
-                )
-        outcome: list[BaseException | None] = []
-
-        def put() -> None:
-            try:
-                try:
-                    self._fs.put_file(str(local), remote)
-                except FileNotFoundError:
-                    # A file system with real folders (file://) needs the prefix made once;
-                    # object stores have none to make and never get here.
-                    self._fs.makedirs(self._root, exist_ok=True)
-                    self._fs.put_file(str(local), remote)
-                outcome.append(None)
-            except BaseException as exc:  # handed to the waiting worker
-                outcome.append(exc)
-
-        thread = threading.Thread(target=put, name="skycap-mirror-copy", daemon=True)
-        thread.start()
-        thread.join(self.config.timeout)
-        if thread.is_alive():
-            with self._lock:
-                self._hanging.append(thread)
-            raise _Abandoned(f"copy timed out after {self.config.timeout:g} s (abandoned)")
-        if outcome and outcome[0] is not None:
-            raise outcome[0]
-
-
-def transient(exc: BaseException) -> bool:
-    """Whether a retry may fix `exc` (python-api.md §9): connection errors, timeouts, and
-    every OSError but permission denied, not found, is/not a directory, already exists."""
-    if isinstance(exc, PERMANENT):
-        return False
-    if isinstance(exc, OSError | TimeoutError):
-        return True
-    return any(cls.__name__ in TRANSIENT_NAMES for cls in type(exc).__mro__)
+        """One put by the copier, abandoned (not retried) past `timeout`."""
+        hanging = self._copier.hanging()
+        if hanging >= 2 * self.config.workers:
+            raise _Abandoned(
+                f"{hanging} earlier copies still hang past the {self.config.timeout:g} s "
+                "timeout; not trying"
+            )
+        try:
+            self._copier.put(local, remote, self.config.timeout)
+        except CopyTimeout as exc:
+            raise _Abandoned(str(exc)) from None
 
 
 def _unpin(job: _Job) -> None:
