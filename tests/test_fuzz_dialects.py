@@ -26,7 +26,7 @@ from skycap.mock.responses import ScriptedResponsesUpstream
 from skycap.server.options import ServerOptions
 
 FUZZ = settings(
-    max_examples=40,
+    max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
