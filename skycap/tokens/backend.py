@@ -22,6 +22,7 @@ import orjson
 from skycap.dialects import Dialect, ReplyData, Request
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.chat import REASONING_FIELDS
+from skycap.dialects.tool_choice import names_a_function
 from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
 from skycap.tokens.client import CONNECT_TIMEOUT, EngineClient, engine_status_message
@@ -246,7 +247,8 @@ class TokenBackend:
         stored = await self._reply_message(trajectory, plan, output, tools, stop, dialect)
         stored = dialect.issue(stored, output.completion_ids)
         reason = "stop" if stop else finish_reason(output.finish_reason, stored)
-        if reason == "tool_calls" and _names_a_tool(request.body.get("tool_choice")):
+        forced = names_a_function(request.extras.get("tool_choice"))
+        if reason == "tool_calls" and forced and dialect.name == "chat":
             reason = "stop"  # OpenAI and vLLM answer a forced named tool with "stop"
         requested = request.model if isinstance(request.model, str) else None
         call = {
@@ -260,7 +262,7 @@ class TokenBackend:
             },
             "finish_reason": reason,
             "dialect": dialect.name,
-            **_call_extras(request.body, output, stop),
+            **_call_extras(output, stop),
             **request.recorded,
         }
         if request.extras.get("omitted_tools"):
@@ -629,13 +631,7 @@ def _error(
     return Reply(status, {"content-type": "application/json"}, body)
 
 
-def _names_a_tool(tool_choice: Any) -> bool:
-    return isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)
-
-
-def _call_extras(
-    body: Mapping[str, Any], output: EngineOutput, stop: StopMatch | None
-) -> dict[str, Any]:
+def _call_extras(output: EngineOutput, stop: StopMatch | None) -> dict[str, Any]:
     """The call fields recorded only when they apply (D-41)."""
     extras: dict[str, Any] = {}
     if stop is not None:
@@ -645,6 +641,4 @@ def _call_extras(
         extras["missing_logprobs"] = missing
     if output.engine_finish_reason is not None:
         extras["engine_finish_reason"] = output.engine_finish_reason
-    if body.get("tool_choice") is not None:
-        extras["tool_choice"] = body["tool_choice"]  # recorded, not enforced (D-41)
     return extras
