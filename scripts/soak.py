@@ -7,11 +7,18 @@ restart on the same record directory (its crash journals replayed). Each traject
 turns until the time is up, then is finished with a reward; a trajectory whose server
 was killed is finished after the restart (its record was rebuilt from the journal).
 
+With `--workers N` the server is `skycap serve --workers N` and the kill is `kill -9` of
+one worker (never the last one alive): the supervisor reports it, the others keep serving
+and take the new trajectories. At the end the supervisor gets SIGTERM; if a worker was
+killed, the supervisor is started once more on the same record directory, which replays
+the dead workers' crash journals, and their trajectories are finished there.
+
 At the end the server gets SIGTERM and every record is read back. It prints calls
 answered vs recorded, records lost (must be 0; the exit status is 1 otherwise) and the
-server's resident memory over time.
+server's resident memory over time (with workers: the sum over the live workers).
 
 Usage: uv run python scripts/soak.py [--seconds 120] [--trajectories 256] [--fault-every 15]
+       [--workers N]
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import errno
 import os
 import random
 import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,37 +46,55 @@ from skycap.mock.upstream import ScriptedUpstream
 from skycap.record.reader import RecordError, read_document
 
 URL_LINE = re.compile(r"listening on (http://\S+)")
+WORKERS_LINE = "workers serving:"
+#: The variable the soak hands its control token through (`--control-token-env`), so a
+#: restarted server, and every worker, keeps the same one.
+TOKEN_VARIABLE = "SKYCAP_SOAK_CONTROL_TOKEN"
+ENV = {**os.environ, "SKYCAP_UPSTREAM_API_KEY": "sk-soak", TOKEN_VARIABLE: secrets.token_hex(16)}
 
 
 class Server:
-    """`skycap serve` as a child process; `url` changes on each restart."""
+    """`skycap serve` as a child process, restarted after each kill on the same port."""
 
     def __init__(self, upstream: str, record_dir: Path) -> None:
-        self.args = ["--upstream-url", upstream, "--record-dir", str(record_dir)]
+        self.args = [
+            "--upstream-url", upstream, "--record-dir", str(record_dir),
+            "--control-token-env", TOKEN_VARIABLE,
+        ]  # fmt: skip
         self.process: subprocess.Popen[str] | None = None
-        self.url = ""
-        self.token = ""
+        self.port = 0
         self.up = asyncio.Event()
         self.kills = 0
 
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.port}"]
+
+    def live(self, url: str) -> bool:
+        """Always: after a kill the server comes back on the same port (wait on `up`)."""
+        return True
+
     def start(self) -> None:
-        command = [sys.executable, "-m", "skycap.cli.main", "serve", "--port", "0", *self.args]
-        env = {**os.environ, "SKYCAP_UPSTREAM_API_KEY": "sk-soak"}
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        command = [sys.executable, "-m", "skycap.cli.main", "serve", "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            [*command, *self.args], stderr=subprocess.PIPE, text=True, env=ENV
+        )
         assert self.process.stderr is not None
+        url = ""
         while line := self.process.stderr.readline():
             match = URL_LINE.search(line)
             if match:
-                self.url = match.group(1)
+                url = match.group(1)
                 break
             print(f"  server: {line.rstrip()}")
-        if not self.url:
+        if not url:
             raise SystemExit("skycap serve did not start")
-        token = re.search(r"control token in (\S+) ", self.process.stderr.readline())
-        if token is None:
-            raise SystemExit("skycap serve did not say where its control token is")
-        self.token = Path(token.group(1)).read_text().strip()
+        self.port = int(url.rsplit(":", 1)[1])
         self.up.set()
+
+    async def fault(self) -> None:
+        self.kill()
+        await asyncio.to_thread(self.start)
 
     def kill(self) -> None:
         assert self.process is not None
@@ -76,18 +104,159 @@ class Server:
         self.kills += 1
 
     def rss_mib(self) -> float:
-        try:
-            status = Path(f"/proc/{self.process.pid}/status").read_text()
-        except (OSError, AttributeError):
-            return 0.0
-        match = re.search(r"VmRSS:\s+(\d+) kB", status)
-        return int(match.group(1)) / 1024 if match else 0.0
+        return _rss_mib(self.process.pid) if self.process is not None else 0.0
 
     def stop(self) -> tuple[int, str]:
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
         _, stderr = self.process.communicate(timeout=300)
         return self.process.returncode, stderr
+
+
+class Workers:
+    """`skycap serve --workers N` as a child process; faults kill one worker with `kill -9`."""
+
+    def __init__(self, upstream: str, record_dir: Path, workers: int) -> None:
+        self.args = [
+            "--upstream-url", upstream, "--record-dir", str(record_dir),
+            "--control-token-env", TOKEN_VARIABLE, "--workers", str(workers),
+        ]  # fmt: skip
+        self.count = workers
+        self.port = _free_ports(workers)
+        self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(workers)]
+        self.dead: set[str] = set()
+        self.up = asyncio.Event()
+        self.up.set()  # workers die one at a time and stay dead; the others keep serving
+        self.kills = 0
+        self.process: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self.seen = threading.Condition()
+
+    def live(self, url: str) -> bool:
+        return url not in self.dead
+
+    def start(self) -> None:
+        """Start the supervisor and wait for its line naming every worker; on new ports if
+        another process took one of these since they were found free."""
+        for _ in range(3):
+            try:
+                return self._start()
+            except PortTaken:
+                self.port = _free_ports(self.count)
+                self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(self.count)]
+        raise SystemExit("the supervisor could not get its ports three times")
+
+    def _start(self) -> None:
+        command = [sys.executable, "-m", "skycap.cli.main", "serve", "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            [*command, *self.args], stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        self.lines = []
+        threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+        line = self.wait_line(WORKERS_LINE, timeout=180)
+        if line.split(WORKERS_LINE)[1].split() != self.urls:
+            raise SystemExit(f"the workers serve elsewhere than expected: {line}")
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            with self.seen:
+                self.lines.append(line)
+                self.seen.notify_all()
+
+    def wait_line(self, text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        with self.seen:
+            while True:
+                for line in self.lines:
+                    if text in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.process is not None and self.process.poll() is not None):
+                    if any("address already in use" in line for line in self.lines):
+                        raise PortTaken()
+                    raise SystemExit(f"no line with {text!r} from the supervisor: {self.lines}")
+                self.seen.wait(min(left, 1.0))  # also notices the supervisor exiting
+
+    def _pids(self) -> list[int]:
+        """The workers' process ids, in start order (the supervisor's children)."""
+        assert self.process is not None
+        pid = self.process.pid
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+    async def fault(self) -> None:
+        """`kill -9` one live worker, never the last, and wait for the supervisor's report."""
+        alive = [i for i, url in enumerate(self.urls) if url not in self.dead]
+        if len(alive) < 2:
+            print("  (one worker left: no kill)")
+            return
+        victim = random.choice(alive)
+        pid = next(p for p in self._pids() if _port_of(p) == self.port + victim)
+        self.dead.add(self.urls[victim])
+        os.kill(pid, signal.SIGKILL)
+        self.kills += 1
+        line = await asyncio.to_thread(self.wait_line, f"worker {victim} ({self.urls[victim]})")
+        print(f"  supervisor: {line.rstrip()}")
+
+    def rss_mib(self) -> float:
+        """The resident memory of the supervisor and its live workers, summed."""
+        assert self.process is not None
+        try:
+            pids = [self.process.pid, *self._pids()]
+        except OSError:
+            return 0.0
+        return sum(_rss_mib(pid) for pid in pids)
+
+    def stop(self) -> tuple[int, str]:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=300)
+        with self.seen:
+            return code, "".join(self.lines)
+
+    def recover(self) -> str:
+        """Start the supervisor again, which replays the dead workers' crash journals; the
+        line in which it says how many trajectories it recovered."""
+        self.dead.clear()
+        self.start()
+        with self.seen:
+            said = [line for line in self.lines if "recovered from crash journals" in line]
+        return said[0] if said else "no crash journal to replay"
+
+
+class PortTaken(Exception):
+    """A worker could not listen: another process took its port after it was found free."""
+
+
+def _free_ports(count: int) -> int:
+    """A first port such that it and the next `count - 1` are free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise SystemExit("no run of free ports")
+
+
+def _port_of(pid: int) -> int:
+    """The `--port` a worker process was started with (the last one on its command line)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(argv[len(argv) - 1 - argv[::-1].index(b"--port") + 1])
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    match = re.search(r"VmRSS:\s+(\d+) kB", status)
+    return int(match.group(1)) / 1024 if match else 0.0
 
 
 class Disk:
@@ -125,22 +294,29 @@ class Stats:
         self.answered: dict[str, list[str]] = {}
         self.errors: dict[str, int] = {}
         self.finished: set[str] = set()
+        #: Trajectories of a killed worker, finished once the supervisor has restarted.
+        self.deferred: list[str] = []
+        self.created = 0
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
+Servers = Server | Workers
+
+
 async def trajectory_loop(
-    index: int, server: Server, stats: Stats, deadline: float, client: httpx.AsyncClient
+    server: Servers, stats: Stats, deadline: float, client: httpx.AsyncClient
 ) -> None:
-    """Create, call turn after turn until the deadline, finish; survive the server's restarts."""
+    """Create, call turn after turn until the deadline, finish; survive the server's faults."""
     while time.monotonic() < deadline:
         await server.up.wait()
+        live = [url for url in server.urls if server.live(url)]
+        url = live[stats.created % len(live)]
+        stats.created += 1
         try:
             created = (
-                await client.post(
-                    f"{server.url}/trajectories", json={"meta": {}}, headers=auth(server)
-                )
+                await client.post(f"{url}/trajectories", json={"meta": {}}, headers=AUTH)
             ).json()
         except httpx.HTTPError:
             stats.error("create")
@@ -150,7 +326,7 @@ async def trajectory_loop(
         stats.answered[trajectory_id] = []
         messages: list[dict] = []
         for turn in range(random.randint(3, 10)):
-            if time.monotonic() > deadline or not server.up.is_set():
+            if time.monotonic() > deadline or not server.up.is_set() or not server.live(url):
                 break
             messages.append({"role": "user", "content": f"{trajectory_id} turn {turn}"})
             stream = turn % 2 == 1
@@ -171,12 +347,14 @@ async def trajectory_loop(
                 continue
             stats.answered[trajectory_id].append(text)
             messages.append({"role": "assistant", "content": text})
-        await finish(trajectory_id, server, stats, client)
+        if server.live(url):
+            await finish(trajectory_id, server, url, stats, client)
+        else:
+            stats.deferred.append(trajectory_id)
 
 
-def auth(server: Server) -> dict[str, str]:
-    """The control token of the server now running (a restart makes a new one)."""
-    return {"Authorization": f"Bearer {server.token}"}
+#: Every request to a control route carries the one control token all servers share.
+AUTH = {"Authorization": f"Bearer {ENV[TOKEN_VARIABLE]}"}
 
 
 def reply_text(response: httpx.Response, stream: bool) -> str | None:
@@ -195,15 +373,20 @@ def reply_text(response: httpx.Response, stream: bool) -> str | None:
     )
 
 
-async def finish(trajectory_id: str, server: Server, stats: Stats, client) -> None:
+async def finish(
+    trajectory_id: str, server: Servers, url: str, stats: Stats, client: httpx.AsyncClient
+) -> None:
     """Finish, retrying across a restart (the record then comes from the journal)."""
     for _ in range(100):
         await server.up.wait()
+        if not server.live(url):
+            stats.deferred.append(trajectory_id)
+            return
         try:
             response = await client.post(
-                f"{server.url}/trajectories/{trajectory_id}/finish",
+                f"{url}/trajectories/{trajectory_id}/finish",
                 json={"annotations": {"reward": 1.0}},
-                headers=auth(server),
+                headers=AUTH,
             )
         except httpx.HTTPError:
             await asyncio.sleep(0.2)
@@ -212,10 +395,20 @@ async def finish(trajectory_id: str, server: Server, stats: Stats, client) -> No
             stats.finished.add(trajectory_id)
             return
         stats.error(f"finish: {response.status_code}")
+        if response.status_code == 404:  # killed before any call committed: no journal
+            return
         await asyncio.sleep(0.5)
 
 
-async def faults(server: Server, upstream: ScriptedUpstream, disk: Disk, every: float, deadline):
+async def finish_deferred(server: Servers, stats: Stats) -> None:
+    """After the supervisor's restart: finish the killed workers' trajectories."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        for trajectory_id in stats.deferred:
+            url = server.urls[0]
+            await finish(trajectory_id, server, url, stats, client)
+
+
+async def faults(server: Servers, upstream: ScriptedUpstream, disk: Disk, every: float, deadline):
     kinds = ["resets", "kill", "disk", "slow"]
     turn = 0
     while time.monotonic() + every < deadline:
@@ -235,24 +428,23 @@ async def faults(server: Server, upstream: ScriptedUpstream, disk: Disk, every: 
             await asyncio.sleep(min(5.0, every / 2))
             disk.free()
         else:
-            server.kill()
-            await asyncio.to_thread(server.start)
+            await server.fault()
 
 
-async def memory(server: Server, samples: list[tuple[float, float]], start: float, deadline):
+async def memory(server: Servers, samples: list[tuple[float, float, int]], start: float, deadline):
+    """Every 5 s: (seconds in, resident MiB, server processes alive)."""
     while time.monotonic() < deadline:
-        samples.append((time.monotonic() - start, server.rss_mib()))
+        alive = sum(1 for url in server.urls if server.live(url))
+        samples.append((time.monotonic() - start, server.rss_mib(), alive))
         await asyncio.sleep(5.0)
 
 
-async def soak(args: argparse.Namespace, server: Server, upstream, disk, stats, samples) -> None:
+async def soak(args: argparse.Namespace, server: Servers, upstream, disk, stats, samples) -> None:
     start = time.monotonic()
     deadline = start + args.seconds
     limits = httpx.Limits(max_connections=args.trajectories + 16)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        tasks = [
-            trajectory_loop(i, server, stats, deadline, client) for i in range(args.trajectories)
-        ]
+        tasks = [trajectory_loop(server, stats, deadline, client) for _ in range(args.trajectories)]
         await asyncio.gather(
             *tasks,
             faults(server, upstream, disk, args.fault_every, deadline),
@@ -285,12 +477,20 @@ def verify(record_dir: Path, stats: Stats) -> tuple[int, int, list[str]]:
     return answered, recorded, lost
 
 
+def _rss(seconds: float, mib: float, alive: int, workers: int) -> str:
+    """One memory sample; with workers, the sum and how many workers it is over."""
+    return f"{seconds:.0f}s {mib:.0f} MiB" + (f" ({alive} live)" if workers else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--trajectories", type=int, default=256)
     parser.add_argument("--fault-every", type=float, default=15.0)
     parser.add_argument("--disk-mib", type=int, default=256, help="tmpfs size for records")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="run `skycap serve --workers N`; kill workers"
+    )
     args = parser.parse_args()
     random.seed(7)
     with tempfile.TemporaryDirectory() as tmp, ScriptedUpstream(chunk_delay=0.002) as upstream:
@@ -300,30 +500,54 @@ def main() -> int:
             f"{args.fault_every:g} s, records in {disk.path}"
             + (" (tmpfs)" if disk.tmpfs else " (no tmpfs: no full-disk fault)")
         )
-        print("  (worker kills need `skycap serve --workers`, not built yet: not injected)")
-        server = Server(upstream.base_url, disk.path)
-        server.start()
+        server: Servers = (
+            Workers(upstream.base_url, disk.path, args.workers)
+            if args.workers
+            else Server(upstream.base_url, disk.path)
+        )
         stats = Stats()
-        samples: list[tuple[float, float]] = []
+        samples: list[tuple[float, float, int]] = []
         try:
+            server.start()
             asyncio.run(soak(args, server, upstream, disk, stats, samples))
             upstream.clear_faults()
             code, stderr = server.stop()
+            # A supervisor whose worker died exits 1 (D-47); its restart must exit 0.
+            good = code == (1 if args.workers and server.kills else 0)
+            if stats.deferred and isinstance(server, Workers):
+                print(f"  supervisor: {server.recover().rstrip()}")
+                asyncio.run(finish_deferred(server, stats))
+                again, more = server.stop()
+                print(f"  supervisor restarted to replay the journals: exit status {again}")
+                good, stderr = good and again == 0, stderr + more
             answered, recorded, lost = verify(disk.path, stats)
         finally:
             if server.process is not None and server.process.poll() is None:
-                server.process.kill()
+                server.process.terminate()  # a supervisor stops its workers on SIGTERM
+                server.process.wait(timeout=300)
             disk.unmount()
         tracebacks = stderr.count("Traceback")
-        print(f"server exit status {code}, {tracebacks} tracebacks, {server.kills} kill -9")
-        print(f"trajectories {len(stats.answered)}, finished {len(stats.finished)}")
+        kills = f"{server.kills} kill -9" + (" of a worker" if args.workers else "")
+        print(f"server exit status {code}, {tracebacks} tracebacks, {kills}")
+        print(
+            f"trajectories {len(stats.answered)}, finished {len(stats.finished)}"
+            + (f" ({len(stats.deferred)} after the restart)" if stats.deferred else "")
+        )
         print(f"calls answered {answered}, recorded {recorded}")
         print(f"records lost {len(lost)}" + (f": {', '.join(lost[:10])}" if lost else ""))
         print(
             "refused or failed: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.errors.items()))
         )
-        print("server RSS over time: " + ", ".join(f"{t:.0f}s {m:.0f} MiB" for t, m in samples))
-        return 1 if lost or answered != recorded or code != 0 or tracebacks else 0
+        unfinished = [i for i in stats.answered if i not in stats.finished]
+        if unfinished:
+            empty = sum(1 for i in unfinished if not stats.answered[i])
+            print(
+                f"unfinished {len(unfinished)}, {empty} of them with no answered call (no record)"
+            )
+        print(
+            "server RSS over time: " + ", ".join(_rss(t, m, n, args.workers) for t, m, n in samples)
+        )
+        return 1 if lost or answered != recorded or not good or tracebacks else 0
 
 
 if __name__ == "__main__":

@@ -151,6 +151,8 @@ def json_type(value: Any) -> str:
         return "a string"
     if isinstance(value, list):
         return "an array"
+    if isinstance(value, dict):
+        return "an object"
     return type(value).__name__
 
 

@@ -239,6 +239,65 @@ def test_stop_sequences_cut_the_reply_and_replay_as_one_path(
     assert sampled.endswith("42") and "DONE" not in sampled  # through the token completing "42"
 
 
+NAMED = {"type": "function", "function": {"name": "search"}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "recorded", "parallel"),
+    [
+        ({"type": "tool", "name": "search", "disable_parallel_tool_use": True}, NAMED, False),
+        ({"type": "any"}, "required", None),
+        ({"type": "auto", "disable_parallel_tool_use": False}, "auto", True),
+    ],
+)
+def test_tool_choice_is_read_into_the_canonical_form_and_recorded(
+    control: Control, choice: dict[str, Any], recorded: Any, parallel: bool | None
+) -> None:
+    created = control.create()
+    message = sdk(created).messages.create(
+        model="claude-x", max_tokens=200, messages=START, tools=TOOLS, tool_choice=choice
+    )
+    assert message.stop_reason == "tool_use"  # a forced tool is still `tool_use` here
+    document = control.document(created["id"]).json()
+    (call,) = [c for n in document["nodes"] for c in n["calls"]]
+    assert call["tool_choice"] == recorded and call["finish_reason"] == "tool_calls"
+    assert call.get("parallel_tool_calls") is parallel
+
+
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(
+    control: Control, engine: ScriptedEngine, qwen3_tokenizer: Any
+) -> None:
+    created = control.create()
+    sdk(created).messages.create(
+        model="claude-x", max_tokens=200, messages=START, tools=TOOLS, tool_choice={"type": "none"}
+    )
+    prompt = qwen3_tokenizer.decode(engine.requests[-1].body["token_ids"])
+    assert "<tools>" not in prompt and '"search"' not in prompt
+    document = control.document(created["id"]).json()
+    (call,) = [c for n in document["nodes"] for c in n["calls"]]
+    assert call["tool_choice"] == "none" and call["omitted_tools"] == ["search"]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "function", "name": "search"},
+        {"type": "tool"},
+        {"type": "auto", "disable_parallel_tool_use": "yes"},
+    ],
+)
+def test_a_bad_tool_choice_is_an_anthropic_shaped_400(
+    control: Control, choice: dict[str, Any]
+) -> None:
+    created = control.create()
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        sdk(created).messages.create(
+            model="claude-x", max_tokens=20, messages=START, tools=TOOLS, tool_choice=choice
+        )
+    assert caught.value.body["type"] == "error"
+    assert "tool_choice" in caught.value.body["error"]["message"]
+
+
 def test_count_tokens_is_the_rendered_prompt_length(
     control: Control, qwen3_renderer: LibraryRenderer
 ) -> None:

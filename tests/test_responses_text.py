@@ -114,6 +114,22 @@ def test_json_tool_round_trip_is_one_path_of_canonical_messages(
     assert reply["content"] == ANSWER
 
 
+def test_tool_choice_is_forwarded_as_sent_and_recorded_canonically(
+    control: Control, upstream: ScriptedResponsesUpstream
+) -> None:
+    trajectory = control.create()
+    choice = {"type": "function", "name": "get_weather"}
+    response = sdk(trajectory).responses.create(
+        model="policy", input=QUESTION, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False
+    )
+    assert response.parallel_tool_calls is False  # the upstream's answer, relayed
+    forwarded = orjson.loads(upstream.requests[-1].body)
+    assert forwarded["tool_choice"] == choice and forwarded["parallel_tool_calls"] is False
+    (call,) = calls_of(control, trajectory["id"])
+    assert call["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert call["parallel_tool_calls"] is False
+
+
 def test_streams_relay_every_event_and_previous_response_id_places_the_call(
     control: Control, upstream: ScriptedResponsesUpstream
 ) -> None:

@@ -284,6 +284,78 @@ def test_tools_a_template_cannot_express_are_omitted_and_recorded(
     assert "get_weather" in prompt and "apply_patch" not in prompt
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "recorded"),
+    [
+        ({"type": "function", "name": "get_weather"}, NAMED),
+        ("required", "required"),
+        (
+            {
+                "type": "allowed_tools",
+                "mode": "auto",
+                "tools": [{"type": "function", "name": "get_weather"}],
+            },
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [NAMED]}},
+        ),
+    ],
+)
+def test_tool_choice_and_parallel_tool_calls_are_echoed_and_recorded(
+    control: Control, choice: Any, recorded: Any
+) -> None:
+    trajectory = control.create()
+    response = sdk(trajectory).responses.create(
+        model="policy", input=QUESTION, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False
+    )
+    echoed = response.tool_choice
+    assert (echoed if isinstance(echoed, str) else echoed.model_dump(exclude_none=True)) == choice
+    assert response.parallel_tool_calls is False
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    (call,) = calls_of(control, trajectory["id"])
+    assert call["tool_choice"] == recorded and call["parallel_tool_calls"] is False
+    assert call["finish_reason"] == "tool_calls" and "omitted_tools" not in call
+
+
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(
+    control: Control, engine: ScriptedEngine, qwen3_tokenizer: Any
+) -> None:
+    trajectory = control.create()
+    response = sdk(trajectory).responses.create(
+        model="policy", input=QUESTION, tools=TOOLS, tool_choice="none"
+    )
+    assert response.tool_choice == "none" and response.parallel_tool_calls is True
+    prompt = qwen3_tokenizer.decode(engine.requests[-1].body["token_ids"])
+    assert "<tools>" not in prompt and "get_weather" not in prompt
+    (call,) = calls_of(control, trajectory["id"])
+    assert call["tool_choice"] == "none" and call["omitted_tools"] == ["get_weather"]
+    assert "parallel_tool_calls" not in call
+    assert call["tools"] is None  # what the template rendered: no tools
+    # Not enforced (the scripted model calls the tool regardless): what was sampled is answered.
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "param"),
+    [
+        ({"type": "function"}, "tool_choice.name"),
+        ("sometimes", "tool_choice"),
+        ({"type": "allowed_tools", "mode": "any", "tools": []}, "tool_choice.mode"),
+    ],
+)
+def test_a_bad_tool_choice_is_a_responses_shaped_400(
+    control: Control, choice: Any, param: str
+) -> None:
+    trajectory = control.create()
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(trajectory).responses.create(
+            model="policy", input=QUESTION, tools=TOOLS, tool_choice=choice
+        )
+    assert caught.value.body["param"] == param and "tool_choice" in caught.value.body["message"]
+    assert calls_of(control, trajectory["id"]) == []
+
+
 def test_length_stop_is_incomplete_and_ended_trajectories_refuse(control: Control) -> None:
     trajectory = control.create()
     client = sdk(trajectory)

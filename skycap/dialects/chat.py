@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects import ReplyData, Request, canonical
+from skycap.dialects import ReplyData, Request, canonical, tool_choice
 from skycap.dialects.sse import EventStream, StreamError
 from skycap.wire import BodyError, json_type
 
@@ -285,7 +285,7 @@ class ChatDialect:
         body = check_chat_request(body)
         tools = body.get("tools")
         extras = {k: body[k] for k in ("cache_salt", "max_prompt_tokens") if k in body}
-        return Request(
+        request = Request(
             body=body,
             messages=[canonical.chat_message(m) for m in body["messages"]],
             tools=tools if isinstance(tools, list) and tools else None,
@@ -294,6 +294,7 @@ class ChatDialect:
             stream=body.get("stream") is True,
             extras=extras,
         )
+        return tool_choice.apply(request, *tool_choice.chat(body))
 
     def reply_message(self, parsed: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
         return reply_message(parsed)

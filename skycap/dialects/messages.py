@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects import ReplyData, Request, canonical
+from skycap.dialects import ReplyData, Request, canonical, tool_choice
 from skycap.dialects.messages_stream import MessagesAssembler
 from skycap.hashing import token_digest
 from skycap.wire import BodyError, json_type
@@ -286,7 +286,7 @@ def read_request(body: Any) -> Request:
     stop = _stop_sequences(body.get("stop_sequences"))
     if stop:
         sampling["stop"] = stop  # token mode applies it as a stop string (D-41)
-    return Request(
+    request = Request(
         body=body,
         messages=messages,
         tools=tools,
@@ -295,6 +295,7 @@ def read_request(body: Any) -> Request:
         stream=body.get("stream") is True,
         token_refusal=_token_refusal(body, messages, tool_refusal),
     )
+    return tool_choice.apply(request, *tool_choice.messages(body))
 
 
 def _stop_sequences(value: Any) -> list[str] | None:

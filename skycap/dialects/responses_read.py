@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects import Request
+from skycap.dialects import Request, tool_choice
 from skycap.wire import BodyError, json_type
 
 #: The item types this dialect reads; anything else is refused with a 400 naming it.
@@ -92,7 +92,7 @@ def read_request(body: Any) -> Request:
     if omitted:
         extras["token_tools"] = token_tools or None
         extras["omitted_tools"] = omitted
-    return Request(
+    request = Request(
         body=body,
         messages=messages,
         tools=tools or None,
@@ -103,6 +103,7 @@ def read_request(body: Any) -> Request:
         token_refusal=token_refusal(body, messages),
         recorded=recorded,
     )
+    return tool_choice.apply(request, *tool_choice.responses(body))
 
 
 def with_history(request: Request, history: list[dict[str, Any]]) -> list[dict[str, Any]]:

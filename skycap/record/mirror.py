@@ -183,7 +183,7 @@ class RecordMirror:
         Called right after the write, before the next write of the same trajectory (the
         server holds the trajectory's lock), so the pinned files are exactly that write's.
         With `hold`, the copy waits for `release(trajectory_id)`: a finish releases it once
-        its answer is built, so the copy's CPU does not compete with that answer.
+        its answer is sent, so the copy's CPU does not compete with that answer.
         """
         try:
             self._submit(Path(record_dir), trajectory_id, files, hold)

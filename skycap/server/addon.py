@@ -54,6 +54,7 @@ access_log = logging.getLogger("skycap.access")
 ROUTE = "skycap.route"
 CALL = "skycap.call"
 PROXIED = "skycap.proxied"
+SENT = "skycap.sent"  # run once a control answer is on the wire (the mirror's hold)
 
 # Route kinds.
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
@@ -481,6 +482,8 @@ class SkycapAddon:
                     respond(flow, status, body)
                 return
             respond(flow, answer.status, answer.body)
+            if answer.sent is not None:
+                flow.metadata[SENT] = answer.sent
 
     async def _harness(
         self, flow: http.HTTPFlow, kind: str, trajectory_id: str | None, raw: bytes
@@ -544,6 +547,9 @@ class SkycapAddon:
         if call is not None:
             with _logged(flow, "response"):
                 call.on_response(flow.response)
+        if (sent := flow.metadata.pop(SENT, None)) is not None:
+            # mitmproxy writes the answer when this hook returns, in the same loop step.
+            asyncio.get_running_loop().call_soon(sent)
         _release_request_body(flow)
         if len(flow.response.data.content or b"") > LARGE_ANSWER:
             self._answered.setdefault(flow.client_conn.id, []).append(weakref.ref(flow))
@@ -559,6 +565,8 @@ class SkycapAddon:
                 kind = flow.metadata.get(ROUTE, (None,))[0]
                 if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):
                     self.text.on_forward_error(flow, dialect_of(flow, kind))
+        if (sent := flow.metadata.pop(SENT, None)) is not None:
+            sent()  # the caller is gone: nothing left to wait for
         _release_request_body(flow)
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -130,10 +131,11 @@ class Live:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """A control-route answer: status and JSON body bytes."""
+    """A control-route answer: status and JSON body bytes, and what to run once it is sent."""
 
     status: int
     body: bytes
+    sent: Callable[[], None] | None = None
 
     @classmethod
     def json(cls, status: int, value: Any) -> Answer:
@@ -356,16 +358,22 @@ class TrajectoryStore:
             trajectory.ended = True
             await self._release_engine(trajectory.id)
         changed = ended_now or sampled_now or trajectory.annotations != before
+        # The record's mirror copy starts once the answer is sent, so its CPU does not
+        # compete with the answer's delivery; on any other way out, at once.
+        mirror = self.mirror
+        sent = None if mirror is None else functools.partial(mirror.release, trajectory.id)
         try:
             record = await self._settle(trajectory, live, changed, keep=failure is not None)
             if ended_now:
                 self._note_ended(trajectory, live, record)
             if failure is not None:
                 return Answer.error(500, str(failure), "path_rule_failed")
-            return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+            body = await asyncio.to_thread(_finish_body, trajectory, rows, record)
+            answer, sent = Answer(200, body, sent=sent), None
+            return answer
         finally:
-            if self.mirror is not None:  # the copy starts once the answer is built
-                self.mirror.release(trajectory.id)
+            if sent is not None:
+                sent()
 
     def _rows(
         self, trajectory: Trajectory, paths: str | None

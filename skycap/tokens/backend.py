@@ -22,6 +22,7 @@ import orjson
 from skycap.dialects import Dialect, ReplyData, Request
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.chat import REASONING_FIELDS
+from skycap.dialects.tool_choice import names_a_function
 from skycap.dialects.writers import stream_writer
 from skycap.hashing import model_key, tools_hash
 from skycap.tokens.client import CONNECT_TIMEOUT, EngineClient, engine_status_message
@@ -294,7 +295,8 @@ class TokenBackend:
         if streamed is not None and relay is not None:
             stored = relay.finish_parts(stored, streamed.reasoning)
         reason = "stop" if stop else finish_reason(output.finish_reason, stored)
-        if reason == "tool_calls" and _names_a_tool(request.body.get("tool_choice")):
+        forced = names_a_function(request.extras.get("tool_choice"))
+        if reason == "tool_calls" and forced and dialect.name == "chat":
             reason = "stop"  # OpenAI and vLLM answer a forced named tool with "stop"
         requested = request.model if isinstance(request.model, str) else None
         call = {
@@ -308,7 +310,7 @@ class TokenBackend:
             },
             "finish_reason": reason,
             "dialect": dialect.name,
-            **_call_extras(request.body, output, stop),
+            **_call_extras(output, stop),
             **request.recorded,
         }
         if request.extras.get("omitted_tools"):
@@ -690,13 +692,7 @@ def _error(
     return Reply(status, {"content-type": "application/json"}, body)
 
 
-def _names_a_tool(tool_choice: Any) -> bool:
-    return isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)
-
-
-def _call_extras(
-    body: Mapping[str, Any], output: EngineOutput, stop: StopMatch | None
-) -> dict[str, Any]:
+def _call_extras(output: EngineOutput, stop: StopMatch | None) -> dict[str, Any]:
     """The call fields recorded only when they apply (D-41)."""
     extras: dict[str, Any] = {}
     if stop is not None:
@@ -706,6 +702,4 @@ def _call_extras(
         extras["missing_logprobs"] = missing
     if output.engine_finish_reason is not None:
         extras["engine_finish_reason"] = output.engine_finish_reason
-    if body.get("tool_choice") is not None:
-        extras["tool_choice"] = body["tool_choice"]  # recorded, not enforced (D-41)
     return extras
