@@ -347,11 +347,18 @@ STREAM_FIRST_TOKEN_DELAY = 0.5
 STREAM_RUNS = 5
 
 
-def _read_engine_stream(url: str, prompt: list[int]) -> tuple[float, float, int]:
-    """(seconds to the first token, seconds first to last token, tokens) straight from it."""
+def _other_cpu() -> float:
+    """CPU seconds this process spent outside the calling thread (the servers' threads)."""
+    return time.process_time() - time.thread_time()
+
+
+def _read_engine_stream(url: str, prompt: list[int]) -> tuple[float, float, int, float]:
+    """(seconds to the first token, seconds first to last token, tokens, CPU seconds of
+    the other threads) straight from the engine."""
     import httpx
 
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4096}, "stream": True}
+    cpu = _other_cpu()
     start = time.perf_counter()
     first = last = 0.0
     tokens = 0
@@ -365,11 +372,13 @@ def _read_engine_stream(url: str, prompt: list[int]) -> tuple[float, float, int]
                 last = time.perf_counter()
                 first = first or last
                 tokens += got
-    return first - start, last - first, tokens
+    return first - start, last - first, tokens, _other_cpu() - cpu
 
 
-def _read_skycap_stream(client: Any) -> tuple[float, float, int]:
-    """(seconds to the first delta, seconds first to last delta, deltas) through skycap."""
+def _read_skycap_stream(client: Any) -> tuple[float, float, int, float]:
+    """(seconds to the first delta, seconds first to last delta, deltas, CPU seconds of
+    the other threads: the engine's and skycap's) through skycap."""
+    cpu = _other_cpu()
     start = time.perf_counter()
     first = last = 0.0
     deltas = 0
@@ -380,7 +389,7 @@ def _read_skycap_stream(client: Any) -> tuple[float, float, int]:
             last = time.perf_counter()
             first = first or last
             deltas += 1
-    return first - start, last - first, deltas
+    return first - start, last - first, deltas, _other_cpu() - cpu
 
 
 def bench_streaming(folder: str) -> dict[str, float]:
@@ -419,19 +428,22 @@ def bench_streaming(folder: str) -> dict[str, float]:
                 through.append(_read_skycap_stream(client))
                 control.post(f"/trajectories/{trajectory['id']}/finish", json={})
             control.close()
-    tokens = statistics.median(t for _, _, t in direct)
+    tokens = statistics.median(r[2] for r in direct)
     return {
         "tokens": tokens,
-        "engine_ttft_ms": statistics.median(a for a, _, _ in direct) * 1000,
-        "skycap_ttft_ms": statistics.median(a for a, _, _ in through) * 1000,
-        "engine_span_ms": statistics.median(b for _, b, _ in direct) * 1000,
-        "skycap_span_ms": statistics.median(b for _, b, _ in through) * 1000,
-        "deltas": statistics.median(c for _, _, c in through),
+        "engine_ttft_ms": statistics.median(r[0] for r in direct) * 1000,
+        "skycap_ttft_ms": statistics.median(r[0] for r in through) * 1000,
+        "engine_span_ms": statistics.median(r[1] for r in direct) * 1000,
+        "skycap_span_ms": statistics.median(r[1] for r in through) * 1000,
+        "deltas": statistics.median(r[2] for r in through),
+        "engine_cpu_ms": statistics.median(r[3] for r in direct) * 1000,
+        "skycap_cpu_ms": statistics.median(r[3] for r in through) * 1000,
     }
 
 
 def print_streaming(stream: dict[str, float]) -> None:
     overhead = (stream["skycap_span_ms"] - stream["engine_span_ms"]) / stream["tokens"]
+    server_cpu = (stream["skycap_cpu_ms"] - stream["engine_cpu_ms"]) / stream["tokens"]
     print(
         f"token streaming (D-51): {stream['tokens']:.0f} tokens one per chunk, first after "
         f"{STREAM_FIRST_TOKEN_DELAY * 1000:.0f} ms, medians of {STREAM_RUNS}"
@@ -443,6 +455,7 @@ def print_streaming(stream: dict[str, float]) -> None:
         ("first to last token, engine's own, ms", f"{stream['engine_span_ms']:.1f}"),
         ("first to last delta through skycap, ms", f"{stream['skycap_span_ms']:.1f}"),
         ("per-token overhead while streaming, ms", f"{overhead:.3f}"),
+        ("  skycap server CPU per streamed token, ms", f"{server_cpu:.3f}"),
         ("deltas the harness received", f"{stream['deltas']:.0f}"),
     ]
     for name, value in rows:

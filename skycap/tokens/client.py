@@ -58,11 +58,13 @@ class EngineClient:
     @asynccontextmanager
     async def stream(
         self, session_id: str, payload: bytes
-    ) -> AsyncIterator[tuple[int, AsyncIterator[Any] | bytes]]:
+    ) -> AsyncIterator[tuple[int, AsyncIterator[list[Any]] | bytes]]:
         """POST a streamed generate request: (status, its decoded `data:` chunks) on 200,
-        else (status, the error body). The chunks end at `data: [DONE]` or when the stream
-        does; transport failures, on connect or mid-stream, raise EngineError. Leaving the
-        block closes the stream (vLLM aborts a request whose client went away).
+        else (status, the error body). The chunks come in batches, one per read from the
+        socket (all the engine sent since the last read, so a reader that fell behind
+        catches up in one step); they end at `data: [DONE]` or when the stream does.
+        Transport failures, on connect or mid-stream, raise EngineError. Leaving the block
+        closes the stream (vLLM aborts a request whose client went away).
         """
         url = self.upstream_url + self.engine.generate_path
         headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
@@ -75,26 +77,26 @@ class EngineClient:
             if response.status_code != 200:
                 yield response.status_code, await response.aread()
             else:
-                yield 200, self._chunks(url, response)
+                yield 200, self._batches(url, response)
         except httpx.HTTPError as exc:
             raise self._transport_error(url, exc) from exc
         finally:
             await response.aclose()
 
-    async def _chunks(self, url: str, response: httpx.Response) -> AsyncIterator[Any]:
+    async def _batches(self, url: str, response: httpx.Response) -> AsyncIterator[list[Any]]:
+        """The `data:` chunks of each read, decoded; a line split across reads waits whole."""
+        rest = b""
         try:
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, `event:` lines
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for data in response.aiter_bytes():
+                *lines, rest = (rest + data).split(b"\n")
+                batch, done = _data_chunks(lines)
+                if batch:
+                    yield batch
+                if done:
                     return
-                try:
-                    yield orjson.loads(data)
-                except orjson.JSONDecodeError as exc:
-                    raise EngineError(
-                        f"a stream chunk is not JSON ({exc}): {data[:200]!r}"
-                    ) from exc
+            batch, _ = _data_chunks([rest])
+            if batch:
+                yield batch
         except httpx.HTTPError as exc:
             raise self._transport_error(url, exc) from exc
 
@@ -183,3 +185,20 @@ def engine_status_message(status: int, body: str) -> str:
         excerpt = excerpt[: ENGINE_EXCERPT_LIMIT - 1] + "…"
     message = f"engine returned HTTP {status}"
     return f"{message}: {excerpt}" if excerpt else message
+
+
+def _data_chunks(lines: list[bytes]) -> tuple[list[Any], bool]:
+    """The decoded `data:` payloads of these SSE lines, and whether `[DONE]` was among them
+    (what follows it is ignored). Blank separators, comments and `event:` lines are skipped."""
+    chunks: list[Any] = []
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return chunks, True
+        try:
+            chunks.append(orjson.loads(data))
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(f"a stream chunk is not JSON ({exc}): {data[:200]!r}") from exc
+    return chunks, False

@@ -3,11 +3,14 @@
 `ReplyStream` is the harness's side: the bytes of the reply, queued as they are written,
 read by the server with a keep-alive after every silence of `keepalive` seconds.
 `stream_completion` is the engine's side: it posts the streamed generate request, reads
-the chunks (skycap.tokens.engine_stream), decodes each token as it arrives and sends the
-reasoning and content deltas the splitter frees (skycap.tokens.deltas) through the
-dialect's writer; a stop string is cut where it completes and the engine request is
-aborted. Parsing the whole completion, the commit and the end of the stream stay with
-the backend, so a streamed and a buffered reply go through one path.
+the chunks (skycap.tokens.engine_stream) a socket read at a time, decodes the tokens they
+carry and sends the reasoning and content deltas the splitter frees (skycap.tokens.deltas)
+through the dialect's writer, one write per read: when the engine is ahead of skycap,
+whatever arrived since the last read goes out at once, one delta per part, so the cost
+per token falls as the load rises. Nothing ready is held back for it. A stop string is
+cut where it completes and the engine request is aborted. Parsing the whole completion,
+the commit and the end of the stream stay with the backend, so a streamed and a buffered
+reply go through one path.
 """
 
 from __future__ import annotations
@@ -63,17 +66,29 @@ class ReplyStream:
         self._queue.put_nowait(None)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The reply's bytes as written, with a keep-alive after each silence; ends at close."""
+        """The reply's bytes as written, with a keep-alive after each silence; ends at close.
+
+        Everything written while the reader was busy goes out joined, as one piece: a slow
+        harness connection costs one send per wake-up, not one per delta.
+        """
+        queue = self._queue
         while True:
             try:
-                item = await asyncio.wait_for(self._queue.get(), self.keepalive)
+                item = await asyncio.wait_for(queue.get(), self.keepalive)
             except TimeoutError:
-                if self._queue.empty():  # bytes put as the wait ran out go first
+                if queue.empty():  # bytes put as the wait ran out go first
                     yield self._keepalive()
                 continue
             if item is None:
                 return
-            yield item
+            pieces = [item]
+            while not queue.empty():
+                item = queue.get_nowait()
+                if item is None:
+                    yield b"".join(pieces)
+                    return
+                pieces.append(item)
+            yield b"".join(pieces) if len(pieces) > 1 else item
 
 
 class EngineRefused(Exception):
@@ -126,17 +141,20 @@ async def stream_completion(
     ending = frozenset(stop_token_ids)  # the token that ends generation is not text
     stop: StopMatch | None = None
     issued: dict[str, Any] | None = None
-    async with client.stream(session_id, orjson.dumps(body)) as (status, chunks):
+    async with client.stream(session_id, orjson.dumps(body)) as (status, batches):
         if status != 200:
-            assert isinstance(chunks, bytes)
-            raise EngineRefused(status, chunks)
-        assert not isinstance(chunks, bytes)
-        async for chunk in chunks:
-            ids = stream.feed(chunk)
+            assert isinstance(batches, bytes)
+            raise EngineRefused(status, batches)
+        assert not isinstance(batches, bytes)
+        async for batch in batches:
+            first = len(stream.token_ids)
+            ids = [token for chunk in batch for token in stream.feed(chunk)]
             if not ids:
                 continue
-            pieces = await pool.run(lambda r, ids=ids: decode(ids))
-            first = len(stream.token_ids) - len(ids)
+            # Each step of the incremental decoder is O(1) and takes microseconds, so the
+            # batch is decoded here: a hop to a renderer thread would cost more than it.
+            pieces = decode(ids)
+            out: list[bytes] = []  # what this batch frees, sent as one write
             for offset, (token, piece) in enumerate(zip(ids, pieces, strict=True)):
                 if token in ending:
                     continue
@@ -154,9 +172,10 @@ async def stream_completion(
                     )
                     if stop is not None:
                         break  # what the stop string leaves is sent from the parse
-                for part, text in splitter.take():
-                    reply.put(writer.delta(part, text))
                 if token == think_end and splitter.in_reasoning:
+                    out.extend(writer.delta(part, text) for part, text in splitter.take())
+                    reply.put(b"".join(out))
+                    out.clear()
                     issued = await _close_reasoning(
                         stream.token_ids[: first + offset + 1],
                         splitter,
@@ -164,6 +183,9 @@ async def stream_completion(
                         reply,
                         on_reasoning_close,
                     )
+            if stop is None:
+                out.extend(writer.delta(part, text) for part, text in splitter.take())
+            reply.put(b"".join(out))
             if stop is not None:
                 if stream.request_id is not None and not stream.finished:
                     await client.abort(stream.request_id)
