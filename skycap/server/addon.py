@@ -232,6 +232,8 @@ class SkycapAddon:
             with contextlib.suppress(LookupError):
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.sink.start()
+        if self.text is not None:
+            await self.text.start()
         self.store.start()
         assert self.options is not None
         try:
@@ -278,6 +280,8 @@ class SkycapAddon:
             credential.remove_token_file(self.token_file, self.options.control_token or "")
         if self.backend is not None:
             await self.backend.close()
+        if self.text is not None:
+            await self.text.close()
         await self.sink.close()
 
     # -- proxy listener --------------------------------------------------------------------------
@@ -427,17 +431,12 @@ class SkycapAddon:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         call: TextCall | None = flow.metadata.get(CALL)
-        if call is not None:
-            with _logged(flow, "responseheaders"):
-                call.on_response_headers(flow.response)
+        if call is not None and call.relaying:
+            flow.response.stream = True  # a streamed reply from the relay, passed on as it comes
         elif flow.metadata.get(ROUTE, (None,))[0] == PASS:
             flow.response.stream = True  # passed through untouched, never buffered
 
     def response(self, flow: http.HTTPFlow) -> None:
-        call: TextCall | None = flow.metadata.get(CALL)
-        if call is not None:
-            with _logged(flow, "response"):
-                call.on_response(flow.response)
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, flow.response.status_code)
 
@@ -445,7 +444,7 @@ class SkycapAddon:
         call: TextCall | None = flow.metadata.get(CALL)
         with _logged(flow, "error"):
             if call is not None:
-                call.on_error(flow)
+                call.harness_left()
             elif self.text is not None:
                 kind = flow.metadata.get(ROUTE, (None,))[0]
                 if kind == MODELS or kind == COUNT_TOKENS:
