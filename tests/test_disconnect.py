@@ -192,3 +192,21 @@ def test_anthropic_sdk_retry_gets_the_original_reply(
         )
         assert message.content[0].text
         check_one_call(server, trajectory, anthropic_upstream)
+
+
+def test_shutdown_records_a_call_still_running_as_failed(
+    make_server, upstream: ScriptedUpstream, tmp_path
+) -> None:
+    from skycap.loader import load
+    from skycap.server.store import SHUTDOWN_FAILURE
+
+    server = make_server(record_dir=tmp_path)
+    trajectory = Control(server.url).create()
+    upstream.fail_next("hang")
+    client = openai.OpenAI(base_url=trajectory["base_url"], api_key="x", max_retries=0, timeout=0.2)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(**GOOD)
+    upstream.wait_for_requests(1)
+    assert server.stop()
+    record = load(tmp_path, trajectory["id"])
+    assert [f["error"] for f in record.document["failures"]] == [SHUTDOWN_FAILURE]

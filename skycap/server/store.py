@@ -489,6 +489,8 @@ class TrajectoryStore:
 
     async def _shutdown_one(self, live: Live) -> None:
         async with live.lock:
+            for _ in live.inflight:  # a call cut off by the shutdown is a failure, not silence
+                self.note_failure(live, None, SHUTDOWN_FAILURE)
             live.cancel_inflight()
             if not live.trajectory.ended:
                 await self._release_engine(live.id)
@@ -496,6 +498,7 @@ class TrajectoryStore:
                 self._forget(live.trajectory)
 
 
+SHUTDOWN_FAILURE = "the server shut down before the call's reply arrived"
 #: D-39: a trajectory that ends with nothing captured says so.
 NO_CALLS_WARNING = "no model call was captured"
 
