@@ -17,7 +17,6 @@ import logging
 import time
 from typing import Any
 
-import httpx
 import orjson
 from mitmproxy import http
 from mitmproxy.connection import ConnectionState
@@ -29,6 +28,7 @@ from skycap.server.options import ServerOptions
 from skycap.server.relay import BROKEN, END, Stream, StreamRelay
 from skycap.server.retry import Entry, Replay
 from skycap.server.store import Live, TrajectoryStore
+from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
 
 logger = logging.getLogger("skycap.server")
@@ -48,7 +48,6 @@ _DROPPED = frozenset(
 _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
 _EVENT_STREAM = "text/event-stream"
 ANTHROPIC_HOST = "api.anthropic.com"
-_KEEPALIVE = 128
 #: Response headers that describe one transfer, not the reply: rebuilt for the harness.
 _TRANSFER = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 
@@ -73,8 +72,9 @@ class TextMode:
             self._base = options.upstream_path.encode()
             self._added = ((b"host", host_header.encode()), *self._auth(host))
         self.timeout = options.upstream_timeout
-        self.client: httpx.AsyncClient | None = None
+        self.client = UpstreamPool(self.timeout)
         self.relay = StreamRelay()
+        self.tasks: set[asyncio.Task[None]] = set()  # calls still running, for close()
 
     def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
         """Send the flow on with the header rules of http.md §7.1.
@@ -115,16 +115,15 @@ class TextMode:
     # -- model calls: skycap's own client (http.md §5: a disconnect does not cancel them) ----
 
     async def start(self) -> None:
-        """On mitmproxy's loop: the pooled upstream client and the stream relay."""
-        timeout = httpx.Timeout(self.timeout)  # D-11: per read, i.e. time without progress
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=_KEEPALIVE)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        """On mitmproxy's loop: the stream relay."""
         await self.relay.start()
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        """After the store's shutdown: end the calls still running, then the connections."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.client.close()
         await self.relay.close()
 
     async def call(
@@ -193,6 +192,8 @@ class TextCall:
         live.inflight[self] = self.cancel
         live.touch()
         self.task = asyncio.ensure_future(self._run())
+        mode.tasks.add(self.task)
+        self.task.add_done_callback(mode.tasks.discard)
 
     @property
     def relaying(self) -> bool:
@@ -287,42 +288,32 @@ class TextCall:
     # -- the exchange ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        response: httpx.Response | None = None
+        exchange: Exchange | None = None
         try:
-            client = self.mode.client
-            assert client is not None, "TextMode.start() was not awaited"
-            data = self.flow.request.data
-            upstream = httpx.Request(
-                data.method.decode(),
-                self.flow.request.url,
-                headers=list(data.headers.fields),
-                content=data.content or b"",
-            )
-            response = await client.send(upstream, stream=True)
+            exchange = await self.mode.client.send(self.flow.request)
+            head = exchange.response
             if (
                 self.request.stream
-                and response.status_code == 200
-                and response.headers.get("content-type", "").startswith(_EVENT_STREAM)
+                and head.status_code == 200
+                and head.headers.get("content-type", "").startswith(_EVENT_STREAM)
             ):
-                await self._relay(response)
+                await self._relay(exchange)
             else:
-                body = b"".join([chunk async for chunk in response.aiter_raw()])
-                self._complete_reply(response, body)
+                body = b"".join([chunk async for chunk in exchange.chunks()])
+                self._complete_reply(head, body)
         except asyncio.CancelledError:
             if not self.over:  # not sealed: shutdown stopped the loop's tasks
                 self._fail(None, "upstream: the server shut down during the call")
                 self._end()
                 self._answer(None)
-        except httpx.TimeoutException:
-            self._upstream_failed(f"timed out after {self.mode.timeout:g} s")
-        except httpx.HTTPError as exc:
-            self._upstream_failed(_describe(exc))
+        except UpstreamError as exc:
+            self._upstream_failed(str(exc))
         except Exception as exc:  # a bug must not leave the harness hanging
             logger.warning("text-mode call of %s failed: %r", self.live.id, exc)
             self._upstream_failed(f"{type(exc).__name__}: {exc}")
         finally:
-            if response is not None:
-                await response.aclose()
+            if exchange is not None:
+                exchange.close()
 
     def _upstream_failed(self, detail: str) -> None:
         if self.over:
@@ -339,16 +330,16 @@ class TextCall:
 
     # -- non-streamed replies (http.md §7.2) ---------------------------------------------------
 
-    def _complete_reply(self, upstream: httpx.Response, body: bytes) -> None:
+    def _complete_reply(self, response: http.Response, body: bytes) -> None:
         """The whole reply is here and not yet sent on: commit it or record why not."""
-        fields = [f for f in upstream.headers.raw if f[0].lower() not in _TRANSFER]
+        fields = [f for f in response.headers.fields if f[0].lower() not in _TRANSFER]
         fields.append((b"content-length", b"%d" % len(body)))
-        response = http.Response.make(upstream.status_code)
-        response.headers = http.Headers(fields)  # after make(), which sets its own length
+        response.headers.fields = tuple(fields)
         response.raw_content = body
+        response.timestamp_start = response.timestamp_end = time.time()
         if self.over:
             return
-        status = upstream.status_code
+        status = response.status_code
         replay = None
         if status != 200:
             self._fail(status, _text(response))
@@ -365,18 +356,19 @@ class TextCall:
 
     # -- streamed replies (http.md §7.3) --------------------------------------------------------
 
-    async def _relay(self, upstream: httpx.Response) -> None:
+    async def _relay(self, exchange: Exchange) -> None:
         """Pass chunks on, hold back the tail from the first `finish_reason`, commit, release.
 
         The harness's flow is re-targeted to the relay as soon as the headers are here;
         the body is read to its end even when the harness has gone.
         """
-        fields = [f for f in upstream.headers.raw if f[0].lower() != b"cache-control"]
+        fields = [f for f in exchange.response.headers.fields if f[0].lower() != b"cache-control"]
         fields.append((b"cache-control", b"no-cache"))
         self.stream = Stream(200, fields)
         self._answer(self.mode.relay.register(self.stream))
         assembler = self.dialect.assembler()
-        async for chunk in upstream.aiter_raw():
+        chunks = exchange.chunks()
+        async for chunk in chunks:
             if self.over:
                 return
             if not chunk:
@@ -388,7 +380,10 @@ class TextCall:
                 continue
             self.held.append(chunk)
             if assembler.done:
-                break
+                self._complete_stream(assembler, fields)
+                async for _ in chunks:  # whatever follows [DONE]; the connection is then reused
+                    pass
+                return
         self._complete_stream(assembler, fields)
 
     def _send(self, chunk: bytes) -> None:
@@ -419,13 +414,6 @@ class TextCall:
         self.held = []
         assert self.stream is not None
         self.stream.chunks.put_nowait(END)
-
-
-def _describe(exc: httpx.HTTPError) -> str:
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect: {text}"
-    return text
 
 
 def _text(response: http.Response) -> str:
