@@ -210,3 +210,34 @@ def test_shutdown_records_a_call_still_running_as_failed(
     assert server.stop()
     record = load(tmp_path, trajectory["id"])
     assert [f["error"] for f in record.document["failures"]] == [SHUTDOWN_FAILURE]
+
+
+def test_token_mode_retry_after_a_client_timeout_gets_the_original(
+    qwen3_tokenizer: Any, qwen3_renderer: Any
+) -> None:
+    """Token mode already ran calls as their own task: still one engine call, replayed."""
+    from skycap.mock.engine import ScriptedEngine
+
+    def release_on_retry(request: httpx.Request) -> None:
+        if request.headers.get("x-stainless-retry-count") == "1":
+            engine.release()  # the first attempt has given up; its call is still running
+
+    with ScriptedEngine(qwen3_tokenizer) as engine:
+        options = ServerOptions(engine.url, mode="tokens", renderer=qwen3_renderer)
+        with ServerThread(options) as server:
+            trajectory = Control(server.url).create()
+            engine.fail_next("hang")
+            hooks = {"request": [release_on_retry]}
+            client = openai.OpenAI(
+                base_url=trajectory["base_url"],
+                api_key="x",
+                max_retries=3,
+                timeout=TIMEOUT,
+                http_client=httpx.Client(event_hooks=hooks, timeout=TIMEOUT),
+            )
+            reply = client.chat.completions.create(**GOOD)
+            assert reply.choices[0].message.content
+            assert len(engine.requests) == 1
+            document = state(server, trajectory)
+            assert len(model_nodes(document)) == 1 and len(calls_of(document)) == 1
+            assert document["retries"] == {"replayed": 1, "coalesced": 1}
