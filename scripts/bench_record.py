@@ -1,9 +1,13 @@
-"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts (D-28)."""
+"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts (D-28),
+then the record mirror: finish -> copied against S3 (moto on loopback), finish latency with
+the mirror on and off, and the full-size record's copy (`--mirror-only` skips the first part)."""
 
 from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -188,5 +192,193 @@ def main() -> None:
         print(f"{name:<{width}}  {value}")
 
 
+# -- the record mirror ---------------------------------------------------------------------
+
+MIRROR_TRAJECTORIES = 50
+MIRROR_ROUNDS = 8
+SUBMITS = 500
+# Where the finish benchmark writes records (`--record-root DIR`; default the temp dir):
+# on a busy disk each finish's fsyncs dominate and also flush the mirror's link/unlink.
+RECORD_ROOT = next(
+    (sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == "--record-root"), None
+)
+
+
+def start_s3() -> tuple[subprocess.Popen[bytes], dict[str, object], str]:
+    """moto's S3 in its own process on a free loopback port (so its request handling does
+    not share this process's GIL with the server measured); (process, options, URL)."""
+    import socket
+
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("moto did not start within 60 s") from None
+            time.sleep(0.05)
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="bench")
+    options = {
+        "endpoint_url": endpoint,
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    return process, options, "s3://bench"
+
+
+def big_record_copy(trajectory: Trajectory) -> float:
+    """Seconds from submit to copied for the 1M-token record (343 MB in 3 files) to a
+    file:// mirror on the same disk: the mirror's own overhead at full size. (moto keeps
+    objects in Python memory and is no throughput target at this size.)"""
+    from skycap.record.mirror import MirrorConfig, RecordMirror
+
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_mirror_") as tmp,
+        tempfile.TemporaryDirectory(prefix="bench_mirror_target_") as target,
+    ):
+        mirror = RecordMirror(Path(target).as_uri(), MirrorConfig())
+        files = write_record(trajectory, Path(tmp))
+        started = time.perf_counter()
+        mirror.submit(Path(tmp), TR_ID, files)
+        assert mirror.wait_idle(600), "the big record was not copied within 10 minutes"
+        elapsed = time.perf_counter() - started
+        assert mirror.health()["mirrored"] == 1, mirror.health()
+        mirror.close()
+    return elapsed
+
+
+def submit_cost() -> list[float]:
+    """Milliseconds a finish's write thread spends handing a record to the mirror (pinning
+    its files and queueing), the only mirror work on the finish path."""
+    from skycap.record.mirror import MirrorConfig, RecordMirror
+
+    mirror = RecordMirror("memory://bench-submit/run", MirrorConfig(workers=1))
+    costs = []
+    with tempfile.TemporaryDirectory(prefix="bench_submit_") as tmp:
+        record_dir = Path(tmp)
+        for n in range(SUBMITS):
+            name = f"tr_{n:016x}.json.zst"
+            (record_dir / name).write_bytes(b"\0" * 2048)
+            started = time.perf_counter()
+            mirror.submit(record_dir, name[: -len(".json.zst")], [name])
+            costs.append((time.perf_counter() - started) * 1000)
+            assert mirror.wait_idle(10)
+    mirror.close()
+    return costs
+
+
+def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], list[float]]:
+    """(finish ms, finish -> copied ms) over MIRROR_TRAJECTORIES one-call text trajectories."""
+    import httpx
+
+    from skycap import CaptureService
+    from skycap.mock.upstream import ScriptedUpstream
+
+    finish_ms, copied_ms = [], []
+    with (
+        ScriptedUpstream() as upstream,
+        tempfile.TemporaryDirectory(prefix="bench_finish_", dir=RECORD_ROOT) as tmp,
+    ):
+        service = CaptureService(upstream.base_url, record_dir=tmp, **(mirror or {}))
+        url = service.start()
+        try:
+            token = service.control_token
+            headers = {"Authorization": f"Bearer {token}"} if token else None
+            with httpx.Client(base_url=url, timeout=60, headers=headers) as http:
+                for _ in range(MIRROR_TRAJECTORIES):
+                    created = http.post("/trajectories", json={}).json()
+                    httpx.post(
+                        f"{created['base_url']}/chat/completions",
+                        json={"model": "p", "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"Authorization": f"Bearer {created['api_key']}"},
+                    ).raise_for_status()
+                    started = time.perf_counter()
+                    answer = http.post(f"/trajectories/{created['id']}/finish", json={}).json()
+                    finished = time.perf_counter()
+                    finish_ms.append((finished - started) * 1000)
+                    if mirror is None:
+                        continue
+                    # Waited for in-process: polling GET .../record would add requests to
+                    # the connection the next finish uses, and so to what is measured.
+                    assert service.server.store.mirror.wait_idle(60), "a copy took > 60 s"
+                    copied_ms.append((time.perf_counter() - finished) * 1000)
+                    record = http.get(f"/trajectories/{created['id']}/record").json()
+                    assert record["mirror_state"] == "copied", (answer, record)
+        finally:
+            service.stop()
+    return finish_ms, copied_ms
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def mirror_main(trajectory: Trajectory) -> None:
+    server, options, url = start_s3()
+    try:
+        big = big_record_copy(trajectory)
+        submits = submit_cost()
+        off: list[float] = []
+        on: list[float] = []
+        copied: list[float] = []
+        for n in range(MIRROR_ROUNDS):  # interleaved, so machine load falls on both alike
+            off += finish_latencies(None)[0]
+            config = {"storage_options": options}
+            finish, copy = finish_latencies(
+                {"record_mirror": f"{url}/round-{n}", "record_mirror_config": config}
+            )
+            on += finish
+            copied += copy
+    finally:
+        server.terminate()
+        server.wait(10)
+    rows = [
+        ("mirror: big record", f"submit -> copied {big:.2f} s for 342.6 MB in 3 files (file://)"),
+        *(
+            (
+                f"finish, mirror {label}",
+                f"p50 {percentile(v, 50):.2f} ms, p95 {percentile(v, 95):.2f} ms "
+                f"({len(v)} one-call text trajectories)",
+            )
+            for label, v in (("off", off), ("on", on))
+        ),
+        (
+            "mirror submit",
+            f"p50 {percentile(submits, 50):.3f} ms, p95 {percentile(submits, 95):.3f} ms "
+            "(the finish path's share of the mirror)",
+        ),
+        (
+            "finish -> copied",
+            f"p50 {percentile(copied, 50):.1f} ms, p95 {percentile(copied, 95):.1f} ms "
+            "(one-call text record)",
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
 if __name__ == "__main__":
-    main()
+    if "--mirror-only" not in sys.argv[1:]:
+        main()
+    mirror_main(build_trajectory()[0])

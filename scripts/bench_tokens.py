@@ -85,7 +85,8 @@ class FakeEngineBackend(TokenBackend):
     """TokenBackend whose engine call is answered in-process and timed separately."""
 
     def __init__(self, *, experts: bool, **options: Any) -> None:
-        super().__init__(upstream_url="http://fake-engine", **options)
+        # A served name, so no call asks the (absent) engine's /v1/models.
+        super().__init__(upstream_url="http://fake-engine", model="policy", **options)
         self.engine_seconds = 0.0
         self.engine_cpu = 0.0
         self.experts = experts

@@ -18,6 +18,7 @@ _PUBLIC = {
     "Sample": "skycap.client",
     "Trajectory": "skycap.client",
     "CaptureService": "skycap.service",
+    "RecordsLost": "skycap.service",
     "load": "skycap.loader",
 }
 

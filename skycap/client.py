@@ -55,6 +55,10 @@ class RecordLocation:
     mirror: str | None = None
     files: tuple[str, ...] = ()
     host: str | None = None
+    # The mirror copy at finish time: pending, copied, excluded (copied without the
+    # excluded sidecar kinds) or failed (with mirror_error); None without a mirror.
+    mirror_state: str | None = None
+    mirror_error: str | None = None
 
     @property
     def local(self) -> str:
@@ -77,6 +81,8 @@ class RecordLocation:
             mirror=_field(obj, "mirror", str, optional=True),
             files=tuple(_field(obj, "files", list, optional=True) or ()),
             host=_field(obj, "host", str, optional=True),
+            mirror_state=_field(obj, "mirror_state", str, optional=True),
+            mirror_error=_field(obj, "mirror_error", str, optional=True),
         )
 
 
@@ -241,6 +247,19 @@ class Trajectory:
         if self.result is None:
             self.result = result
         return result
+
+    async def record(self) -> RecordLocation:
+        """Where the written record is now, its mirror copy's state included (the finish
+        answer's `record` is taken at finish time); CaptureError 404 before it is written."""
+        url = f"{self.server}/trajectories/{self.id}/record"
+        reply = await self._pool._request("GET", url)
+        try:
+            location = RecordLocation.from_json(reply)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CaptureError(f"GET {url}: malformed record reply: {exc}", 200) from exc
+        if location is None:
+            raise CaptureError(f"GET {url}: expected a JSON object, got null", 200)
+        return location
 
     async def document(self) -> dict[str, Any]:
         url = f"{self.server}/trajectories/{self.id}"

@@ -241,6 +241,8 @@ def choose_setup(mode: str, record_dir: Path) -> DemoSetup:
             "renderer_name": "qwen3",
             "renderer_pool_size": 2,
             "sampling_mask": True,
+            # vLLM started with --return-sampling-mask refuses requests without top_k > 0.
+            "sampling_overrides": {"top_k": 20},
             **common,
         }
         return DemoSetup("tokens", engine, options)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from skycap.arrays import csr_to_rows
 from skycap.client import Sample
-from skycap.record.reader import record_document, trajectory_from_document
+from skycap.record.reader import (
+    RecordError,
+    document_path,
+    record_document,
+    trajectory_from_document,
+)
+from skycap.record.remote import MirrorCache, is_url
+from skycap.record.remote import storage_options as env_storage_options
 from skycap.samples import (
     BUILTIN_RULES,
     BuiltSample,
@@ -46,9 +54,12 @@ def to_client_sample(sample: BuiltSample) -> Sample:
 class LoadedRecord:
     """A record read back: its trajectory (sidecars included), its document, and its samples."""
 
-    def __init__(self, trajectory: Trajectory, document: dict[str, Any]) -> None:
+    def __init__(
+        self, trajectory: Trajectory, document: dict[str, Any], source: Path | None = None
+    ) -> None:
         self.trajectory = trajectory
         self.document = document
+        self.source = source
 
     @property
     def id(self) -> str:
@@ -64,7 +75,11 @@ class LoadedRecord:
         graph = self.trajectory.graph
         recorded = self.trajectory.samples
         if isinstance(recorded, dict) and recorded.get("paths") == paths:
-            rows = rows_from_samples_field(graph, recorded)
+            try:
+                rows = rows_from_samples_field(graph, recorded)
+            except ValueError as exc:  # a hostile or damaged record (issue 17)
+                where = self.source or self.id
+                raise RecordError(f"{where}: {exc}") from None
         elif paths in BUILTIN_RULES:
             rows = rows_for_finish(graph, paths, {})
         elif ":" in paths:
@@ -79,8 +94,19 @@ class LoadedRecord:
         return [to_client_sample(s) for s in build_samples(graph, rows)]
 
 
-def load(record_dir: str | Path, id: str) -> LoadedRecord:
-    """Read record `id` from `record_dir`; raises RecordError with a one-line reason."""
+def load(
+    record_dir: str | Path, id: str, *, storage_options: Mapping[str, Any] | None = None
+) -> LoadedRecord:
+    """Read record `id` from `record_dir`; raises RecordError with a one-line reason.
+
+    `record_dir` may be a mirror URL (`s3://bucket/run-7`): the record's document and the
+    sidecars the mirror holds are fetched into the local cache first, with
+    `storage_options` (default: `$SKYCAP_STORAGE_OPTIONS`) passed to fsspec.
+    """
+    if is_url(record_dir):
+        options = storage_options if storage_options is not None else env_storage_options()
+        record_dir = MirrorCache(str(record_dir), options).fetch_record(id)
     record_dir = Path(record_dir)
     document = record_document(record_dir, id)
-    return LoadedRecord(trajectory_from_document(record_dir, document), document)
+    source = document_path(record_dir, id)
+    return LoadedRecord(trajectory_from_document(record_dir, document), document, source)

@@ -292,10 +292,13 @@ def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> B
         if node.id in target_set and tok.sampled_start is not None:
             sample.loss_mask[start + tok.sampled_start : end] = 1
     # NaN marks "no logprob" in records; samples carry 0.0 there (and never a non-finite value,
-    # which JSON cannot carry).
-    sample.logprobs[~np.isfinite(sample.logprobs)] = 0.0
+    # which JSON cannot carry). A sampled token the engine gave no logprob (vLLM's -9999.0
+    # sentinel, D-41) is not trained on: its loss mask is 0, so no importance ratio uses it.
+    missing = ~np.isfinite(sample.logprobs)
+    sample.loss_mask[missing] = 0
+    sample.logprobs[missing] = 0.0
     sample.routed_experts = _experts(tokens)
-    sample.sampling_mask = _sampling_mask(nodes, tokens, starts, target_set)
+    sample.sampling_mask = _sampling_mask(nodes, tokens, starts, target_set, sample.loss_mask)
     return sample
 
 
@@ -311,9 +314,14 @@ def _experts(tokens: list[Tokens]) -> np.ndarray | None:
 
 
 def _sampling_mask(
-    nodes: list[Node], tokens: list[Tokens], starts: np.ndarray, target_set: set[int]
+    nodes: list[Node],
+    tokens: list[Tokens],
+    starts: np.ndarray,
+    target_set: set[int],
+    loss_mask: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """CSR over every position: targets' sampled positions get their rows, others `[]`."""
+    """CSR over every position: targets' sampled positions get their rows, others `[]`
+    (so does a sampled position the loss mask leaves out, one with no logprob)."""
     total = int(starts[-1])
     row_lengths = np.zeros(total, dtype=np.int64)
     id_parts = []
@@ -331,8 +339,14 @@ def _sampling_mask(
                 f"for {sampled} sampled tokens"
             )
         first = int(starts[k]) + sampled_from
-        row_lengths[first : first + sampled] = np.diff(bounds)
-        id_parts.append(tok.mask_ids[int(bounds[0]) : int(bounds[-1])])
+        lengths = np.diff(bounds)
+        ids = tok.mask_ids[int(bounds[0]) : int(bounds[-1])]
+        kept = loss_mask[first : first + sampled].astype(bool)
+        if not kept.all():
+            ids = ids[np.repeat(kept, lengths)]
+            lengths = np.where(kept, lengths, 0)
+        row_lengths[first : first + sampled] = lengths
+        id_parts.append(ids)
     if not id_parts:
         return None
     offsets = np.zeros(total + 1, dtype=np.int64)

@@ -26,6 +26,21 @@ logger = logging.getLogger("skycap.service")
 DEFAULT_START_TIMEOUT = 60.0
 
 
+class RecordsLost(RuntimeError):
+    """`stop()` could not write these trajectories' records (D-44); `ids` names them.
+
+    Their crash journals stay in `<record dir>/.journal`, so the next server started on
+    the same record directory rebuilds them.
+    """
+
+    def __init__(self, ids: list[str], record_dir: object) -> None:
+        self.ids = list(ids)
+        super().__init__(
+            f"{len(self.ids)} records could not be written to {record_dir}: "
+            f"{', '.join(self.ids)}; their crash journals stay for the next start"
+        )
+
+
 def _format_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -177,6 +192,7 @@ class CaptureService:
         """Shut down gracefully (records written) and join the thread; idempotent.
 
         Returns False, with a warning, if the thread did not finish within `timeout`.
+        Raises RecordsLost when records could not be written (the disk is full, say).
         """
         thread, loop, stop_event = self._thread, self._loop, self._stop_event
         if thread is None or loop is None or stop_event is None:
@@ -190,6 +206,11 @@ class CaptureService:
         if thread.is_alive():
             logger.warning("skycap did not stop within %g s; records may be incomplete", timeout)
             return False
+        store = getattr(self.server, "store", None)
+        lost = store.lost if store is not None else []
+        if lost:
+            store.lost = []  # reported once: stop() is idempotent
+            raise RecordsLost(lost, self.options.record_dir)
         return True
 
     def __enter__(self) -> CaptureService:

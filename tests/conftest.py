@@ -72,3 +72,7 @@ def token_server_options(scripted_engine: Any, qwen3_renderer: Any) -> Callable[
         return ServerOptions(scripted_engine.url, mode="tokens", renderer=qwen3_renderer, **extra)
 
     return options
+
+
+# The mirror tests' S3 (moto) and its fault proxy: defined here so moto starts once per session.
+from mirror_fixtures import fault_proxy, s3  # noqa: E402, F401

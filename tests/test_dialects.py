@@ -134,7 +134,7 @@ def test_messages_reads_system_tools_results_thinking_and_images() -> None:
     ("body", "refusal"),
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "`max_tokens` is required"),
-        ({"max_tokens": 5, "stop_sequences": ["X"], "messages": []}, "`stop_sequences`"),
+        ({"max_tokens": 5, "stop_sequences": ["X"], "messages": []}, None),
         (
             {"max_tokens": 5, "tools": [{"type": "bash_20250124", "name": "bash"}], "messages": []},
             "server tool",
@@ -150,7 +150,7 @@ def test_what_token_mode_refuses_is_named_at_read_time(body: dict, refusal: str 
     else:
         assert request.token_refusal is not None and refusal in request.token_refusal
     if "stop_sequences" in body:
-        assert request.sampling["stop"] == ["X"]  # recorded in text mode, the hook for stop strings
+        assert request.sampling["stop"] == ["X"]  # token mode applies it as a stop string
 
 
 @pytest.mark.parametrize(
@@ -164,6 +164,11 @@ def test_what_token_mode_refuses_is_named_at_read_time(body: dict, refusal: str 
             "needs a string `id`",
         ),  # fmt: skip
         ({"tools": [{"input_schema": {}}], "messages": []}, "`tools[0].name`"),
+        ({"stop_sequences": "END", "messages": []}, "`stop_sequences` must be a list"),
+        (
+            {"stop_sequences": ["END", ""], "messages": []},
+            "`stop_sequences[1]` must be a non-empty",
+        ),
     ],
 )
 def test_malformed_messages_requests_are_body_errors(body: object, needle: str) -> None:

@@ -233,7 +233,7 @@ def test_envelope_start_overrides_and_unsupported_routes_start_at_zero() -> None
         ),
         (
             reply(routed_experts=npy(np.zeros((2, 1, 1), dtype=np.float32))),
-            "routed_experts dtype must be uint8 or uint16, got float32",
+            "routed_experts dtype must be uint8, uint16 or int32, got float32",
         ),
         (
             reply(routed_experts={"data": "AA==", "shape": [3], "dtype": "uint8"}),
@@ -265,3 +265,64 @@ def test_pickled_npy_is_never_loaded() -> None:
     payload = base64.b64encode(pickle.dumps([1, 2])).decode()
     with pytest.raises(EngineError, match="cannot decode"):
         VLLMEngine().parse(reply(routed_experts=payload))
+
+
+# -- vLLM's real reply shapes (0.26 and 0.33) ----------------------------------------------
+
+
+def test_request_never_forwards_stop_strings() -> None:
+    """A --tokens-only vLLM refuses any stop string; skycap applies them itself (D-41)."""
+    body = VLLMEngine().request(
+        prompt_ids=[1, 2],
+        sampling={"stop": ["END"], "temperature": 0.5},
+        model=None,
+        cache_salt=None,
+        sampling_mask=False,
+    )
+    assert body["sampling_params"] == {"temperature": 0.5, "logprobs": 0}
+
+
+def test_both_logprob_entry_shapes_are_read_and_checked_per_token() -> None:
+    v26 = [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None} for t in (5, 6, 7)]
+    v33 = [{"token_id": t, "logprob": -0.25, "rank": 1, "top_logprobs": []} for t in (5, 6, 7)]
+    assert VLLMEngine().parse(reply(logprobs={"content": v26})).logprobs == [-0.5] * 3
+    assert VLLMEngine().parse(reply(logprobs={"content": v33})).logprobs == [-0.25] * 3
+    for shifted in (
+        [{**v26[0], "token": "token_id:6"}, *v26[1:]],
+        [v33[0], {**v33[1], "token_id": 9}, v33[2]],
+    ):
+        with pytest.raises(EngineError, match="logprob entry .* is for token .* but completion"):
+            VLLMEngine().parse(reply(logprobs={"content": shifted}))
+
+
+def test_the_no_logprob_sentinel_is_nan_and_counted() -> None:
+    entries = [
+        {"token_id": 5, "logprob": -9999.0},
+        {"token_id": 6, "logprob": -0.5},
+        {"token": "token_id:7", "logprob": -9999.0},
+    ]
+    out = VLLMEngine().parse(reply(logprobs={"content": entries}))
+    assert np.isnan(out.logprobs[0]) and out.logprobs[1] == -0.5 and np.isnan(out.logprobs[2])
+    assert out.missing_logprobs == 2
+
+
+def test_int32_experts_are_narrowed_losslessly_or_refused() -> None:
+    experts = np.array([[[0, 300]], [[65535, 7]]], dtype=np.int32)
+    out = VLLMEngine().parse(reply(token_ids=[5, 6, 7], routed_experts=npy(experts)))
+    assert out.routed_experts.dtype == np.uint16
+    assert np.array_equal(out.routed_experts, experts)
+    with pytest.raises(EngineError, match=r"int32 ids must be in \[0, 65535\], got \[-1, 7\]"):
+        VLLMEngine().parse(reply(routed_experts=npy(np.array([[[-1, 7]]], dtype=np.int32))))
+
+
+@pytest.mark.parametrize(("engine", "ours"), [("repetition", "stop"), ("length", "length")])
+def test_repetition_is_a_normal_stop(engine: str, ours: str) -> None:
+    out = VLLMEngine().parse(reply(finish_reason=engine))
+    assert out.finish_reason == ours
+    assert out.engine_finish_reason == (engine if engine != ours else None)
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_abort_and_error_are_engine_failures(reason: str) -> None:
+    with pytest.raises(EngineError, match=f"finish_reason '{reason}'"):
+        VLLMEngine().parse(reply(finish_reason=reason))

@@ -29,6 +29,8 @@ LAYERS = [
         "skycap.certs",
         "skycap.control_token",
         "skycap.demo",
+        "skycap.rollout",
+        "skycap.compose",
     ),
     ("skycap.cli",),
 ]
@@ -92,6 +94,7 @@ def test_no_import_cycles() -> None:
 def test_client_side_and_records_never_load_mitmproxy() -> None:
     code = (
         "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard\n"
+        "import skycap.rollout, skycap.compose\n"
         "from skycap import CapturePool, Sample, load\n"
         "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"
     )

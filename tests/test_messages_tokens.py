@@ -58,7 +58,7 @@ def script(qwen3_tokenizer: Any) -> Script:
 
 @pytest.fixture(scope="module")
 def engine(qwen3_tokenizer: Any, script: Script) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer, script=script) as scripted:
+    with ScriptedEngine(qwen3_tokenizer, script=script, model="policy") as scripted:
         yield scripted
 
 
@@ -201,6 +201,44 @@ def test_async_conversation_is_one_bridged_exact_path(
     check_one_bridged_path(control, engine, script, created)
 
 
+def model_calls(control: Control, trajectory_id: str) -> list[dict[str, Any]]:
+    document = control.document(trajectory_id).json()
+    return [c for n in document["nodes"] for c in n["calls"]]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_stop_sequences_cut_the_reply_and_replay_as_one_path(
+    control: Control, engine: ScriptedEngine, qwen3_tokenizer: Any, streamed: bool
+) -> None:
+    created = control.create()
+    client = sdk(created)
+    engine.queue("<think>\nok\n</think>\n\nThe answer is 42. DONE and then more text", "Fine.")
+    asked = {"model": "claude-x", "max_tokens": 200, "stop_sequences": ["DONE", "42"]}
+    if streamed:
+        with client.messages.stream(messages=START, **asked) as stream:
+            message = stream.get_final_message()
+    else:
+        message = client.messages.create(messages=START, **asked)
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "42"
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[1].text == "The answer is "
+    request = engine.generated[-1].body
+    assert "stop" not in request["sampling_params"]  # applied by skycap, never forwarded
+    (call,) = model_calls(control, created["id"])
+    assert call["stop_string"] == "42" and call["finish_reason"] == "stop"
+    assert call["dialect"] == "messages" and call["sampling"]["stop"] == ["DONE", "42"]
+    # Replayed as returned, the cut reply is the node it was stored as: the next call bridges.
+    messages = [*START, replayed(message), {"role": "user", "content": "more"}]
+    second = client.messages.create(model="claude-x", max_tokens=200, messages=messages)
+    assert second.stop_reason == "end_turn" and second.stop_sequence is None
+    assert [c["bridged"] for c in model_calls(control, created["id"])] == [None, True]
+    finished = control.finish(created["id"]).json()
+    (sample,) = finished["samples"]
+    prompt, kept = request["token_ids"], call["usage"]["completion_tokens"]
+    sampled = qwen3_tokenizer.decode(sample["input_ids"][len(prompt) : len(prompt) + kept])
+    assert sampled.endswith("42") and "DONE" not in sampled  # through the token completing "42"
+
+
 def test_count_tokens_is_the_rendered_prompt_length(
     control: Control, qwen3_renderer: LibraryRenderer
 ) -> None:
@@ -229,7 +267,6 @@ def test_models_answer_in_anthropic_shape(control: Control) -> None:
     ("extra", "needle"),
     [
         ({"max_tokens": None}, "`max_tokens` is required"),
-        ({"stop_sequences": ["END"]}, "`stop_sequences` is not supported in token mode yet"),
         (
             {
                 "messages": [

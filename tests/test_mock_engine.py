@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +54,7 @@ def generate(
     body = WIRE.request(
         prompt_ids=prompt,
         sampling=sampling,
-        model="policy",
+        model="scripted-policy",
         cache_salt=None,
         sampling_mask=False,
         routes_from=routes_from,
@@ -123,7 +125,7 @@ def test_script_function_and_optional_side_channels(qwen3_tokenizer) -> None:
         ScriptedEngine(qwen3_tokenizer, script=script, experts=None, sampling_mask=True) as engine,
         httpx.Client(base_url=engine.url) as http,
     ):
-        out = WIRE.parse(generate(http, [7, 8, 9]).json())
+        out = WIRE.parse(generate(http, [7, 8, 9], top_k=20).json())
     assert out.completion_ids == encode(qwen3_tokenizer, "3 tokens") + [IM_END]
     assert out.routed_experts is None
     assert out.sampling_mask == [[t, t + 1] for t in out.completion_ids]
@@ -248,3 +250,132 @@ def test_hang_times_out_a_client(engine: ScriptedEngine) -> None:
     engine.fail_next("hang")
     with httpx.Client(base_url=engine.url, timeout=0.2) as http, pytest.raises(httpx.ReadTimeout):
         generate(http, [1])
+
+
+# -- validating like vLLM 0.33 -------------------------------------------------------------
+
+
+def post(http: httpx.Client, **body: Any) -> httpx.Response:
+    return http.post(GENERATE_PATH, json={"token_ids": [1, 2], "sampling_params": {}, **body})
+
+
+def test_an_unknown_model_is_404_and_no_model_is_the_served_one(
+    engine: ScriptedEngine, http: httpx.Client
+) -> None:
+    refused = post(http, model="gpt-4o")
+    assert refused.status_code == 404
+    assert refused.json()["error"]["message"] == (
+        "The model `gpt-4o` does not exist. Valid aliases: scripted-policy."
+    )
+    assert post(http).status_code == 200 and post(http, model="scripted-policy").is_success
+
+
+@pytest.mark.parametrize(
+    ("salt", "ok"), [("a" * 128, True), ("a" * 129, False), ("", False), ("x/y", False), (5, False)]
+)
+def test_cache_salt_follows_vllm_033(
+    engine: ScriptedEngine, http: httpx.Client, salt: Any, ok: bool
+) -> None:
+    answer = post(http, cache_salt=salt)
+    assert answer.is_success is ok
+    if not ok:
+        assert "cache_salt" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5."),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0."),
+        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2."),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5."),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3."),
+        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0."),
+        ({"min_tokens": 20}, "min_tokens must be less than or equal to max_tokens=16, got 20."),
+        ({"stop": ["END"]}, "stop strings are not supported on a --tokens-only server"),
+    ],
+)
+def test_sampling_values_vllm_refuses_are_400(
+    engine: ScriptedEngine, http: httpx.Client, params: dict[str, Any], message: str
+) -> None:
+    answer = post(http, sampling_params=params)
+    assert answer.status_code == 400 and message in answer.json()["error"]["message"]
+
+
+def test_mask_servers_need_temperature_and_top_k(qwen3_tokenizer) -> None:
+    with (
+        ScriptedEngine(qwen3_tokenizer, sampling_mask=True) as engine,
+        httpx.Client(base_url=engine.url) as http,
+    ):
+        no_k = post(http, sampling_params={"temperature": 1.0})
+        greedy = post(http, sampling_params={"temperature": 0, "top_k": 5})
+        ok = post(http, sampling_params={"top_k": 5})
+    assert no_k.status_code == 400 and "requires top_k > 0" in no_k.text
+    assert greedy.status_code == 400 and "requires temperature > 0" in greedy.text
+    assert ok.json()["choices"][0]["sampling_mask"] is not None
+    with pytest.raises(ValueError, match="0.26 has no sampling masks"):
+        ScriptedEngine(qwen3_tokenizer, sampling_mask=True, version="0.26")
+
+
+def test_a_server_without_scale_out_answers_403(qwen3_tokenizer) -> None:
+    with (
+        ScriptedEngine(qwen3_tokenizer, scale_out=False) as engine,
+        httpx.Client(base_url=engine.url) as http,
+    ):
+        answer = post(http)
+    assert answer.status_code == 403 and "--enable-scale-out" in answer.text
+
+
+def test_several_served_names_are_listed_in_order(qwen3_tokenizer) -> None:
+    with (
+        ScriptedEngine(qwen3_tokenizer, model=["a", "b"]) as engine,
+        httpx.Client(base_url=engine.url) as http,
+    ):
+        listed = http.get("/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["a", "b"]
+        assert post(http, model="b").is_success
+
+
+# -- reply shapes of both versions ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.33", "0.26"])
+def test_each_version_answers_its_own_logprob_shape(qwen3_tokenizer, version: str) -> None:
+    with (
+        ScriptedEngine(qwen3_tokenizer, version=version) as engine,
+        httpx.Client(base_url=engine.url) as http,
+    ):
+        engine.queue("Hi.")
+        body = post(http).json()
+    (entry, *_) = body["choices"][0]["logprobs"]["content"]
+    if version == "0.33":
+        assert set(entry) == {"token_id", "logprob", "rank", "top_logprobs"}
+        assert "sampling_mask" in body["choices"][0]
+    else:
+        assert entry["token"].startswith("token_id:") and "token_id" not in entry
+        assert "sampling_mask" not in body["choices"][0]
+    out = WIRE.parse(body)
+    assert out.completion_ids == encode(qwen3_tokenizer, "Hi.") + [IM_END]
+
+
+def test_int32_experts_sentinels_and_finish_reasons(qwen3_tokenizer) -> None:
+    with (
+        ScriptedEngine(qwen3_tokenizer, experts_dtype="int32") as engine,
+        httpx.Client(base_url=engine.url) as http,
+    ):
+        engine.fail_next("missing_logprobs")
+        engine.queue(Reply("Same same same", "repetition"), Reply("Cut", "abort"))
+        body = post(http).json()
+        aborted = post(http).json()
+    raw = base64.b64decode(body["choices"][0]["routed_experts"])
+    assert np.load(io.BytesIO(raw)).dtype == np.int32
+    assert body["choices"][0]["logprobs"]["content"][0]["logprob"] == -9999.0
+    assert body["choices"][0]["finish_reason"] == "repetition"
+    out = WIRE.parse(body)
+    assert out.routed_experts.dtype == np.uint16 and np.isnan(out.logprobs[0])
+    assert out.finish_reason == "stop" and out.engine_finish_reason == "repetition"
+    assert out.completion_ids == encode(qwen3_tokenizer, "Same same same")  # no stop token
+    assert aborted["choices"][0]["finish_reason"] == "abort"
+    with pytest.raises(EngineError, match="'abort'"):
+        WIRE.parse(aborted)

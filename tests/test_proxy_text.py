@@ -7,6 +7,7 @@ import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -53,6 +54,7 @@ def server(
         record_dir=tmp_path_factory.mktemp("records"),
         api_key="sk-upstream",
         require_api_key=True,  # through the proxy, the proxy credentials are the key
+        proxy_allow=[f"127.0.0.1:{urlsplit(upstream.base_url).port}"],  # the mock's pass-through
     )
     with ServerThread(options) as server:
         yield server

@@ -419,7 +419,7 @@ def memo_pair(qwen3_renderer: LibraryRenderer) -> tuple[LibraryRenderer, _MemoTo
     """A renderer whose library sees the session tokenizer through a fresh _MemoTokenizer."""
     memo_tokenizer = _MemoTokenizer(qwen3_renderer._tokenizer)
     memo = copy.copy(qwen3_renderer)
-    memo._lib = _create_library_renderer(memo_tokenizer, "qwen3", None)
+    memo._lib = _create_library_renderer(memo_tokenizer, "qwen3", None, "qwen3")
     return memo, memo_tokenizer
 
 
@@ -442,7 +442,7 @@ def test_memoised_encodes_give_the_same_render_bridge_and_parse(
 ) -> None:
     memo, memo_tokenizer = memo_pair
     plain = copy.copy(qwen3_renderer)
-    plain._lib = _create_library_renderer(qwen3_renderer._tokenizer, "qwen3", None)
+    plain._lib = _create_library_renderer(qwen3_renderer._tokenizer, "qwen3", None, "qwen3")
     expected = every_output(plain, encode)
     cold = every_output(memo, encode)
     assert cold == expected

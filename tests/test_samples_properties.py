@@ -79,11 +79,13 @@ def token_graphs(draw: st.DrawFn) -> Graph:
 
 
 def _expected_loss_mask(graph: Graph, row: Row) -> list[int]:
+    """1 on the targets' sampled tokens, except where the logprob is missing (NaN, D-41)."""
     mask: list[int] = []
     for i in row.path:
         tok = graph[i].tokens
         start = tok.length if i not in row.targets else tok.sampled_start
-        mask += [0] * start + [1] * (tok.length - start)
+        sampled = tok.logprobs[start:] if tok.logprobs is not None else [0.0] * (tok.length - start)
+        mask += [0] * start + [0 if math.isnan(v) else 1 for v in sampled]
     return mask
 
 
@@ -121,7 +123,11 @@ def test_sample_arrays_follow_the_path(graph: Graph) -> None:
         else:
             ids, offsets = sample.sampling_mask
             assert offsets.shape == (n + 1,) and offsets[0] == 0 and offsets[-1] == ids.shape[0]
-            expected = [r for m in target_masks for r in m]
+            expected = []
+            for t, rows_of_t in zip(row.targets, target_masks, strict=True):
+                tok = graph[t].tokens
+                sampled = tok.logprobs[tok.sampled_start :]
+                expected += [r for r, lp in zip(rows_of_t, sampled, strict=True) if lp == lp]
             got = [
                 ids[offsets[k] : offsets[k + 1]].tolist()
                 for k in range(n)

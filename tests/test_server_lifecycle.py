@@ -46,6 +46,8 @@ def test_finish_writes_the_record_and_the_disk_answers_afterwards(
         "path": str(path),
         "mirror": None,
         "files": [path.name],
+        "mirror_state": None,
+        "mirror_error": None,
     }
     stored = read_document(path)
     assert stored["status"] == "finished" and stored["ended"] is True
@@ -185,14 +187,15 @@ def test_a_failed_write_keeps_the_trajectory_for_a_later_finish(
 def test_records_pass_skycap_check(make_server, tmp_path: Path, mode: str, capsys) -> None:
     from skycap.cli.main import main
 
-    server = make_server(record_dir=tmp_path, ttl=0.2, sweep_interval=0.05)
+    # A TTL that a loaded machine's create-to-call gap cannot reach before the call.
+    server = make_server(record_dir=tmp_path, ttl=1.5, sweep_interval=0.05)
     control = Control(server.url)
     trajectory = control.create()
-    chat(trajectory)
+    assert chat(trajectory).status_code == 200
     if mode == "finish":
         control.finish(trajectory["id"])
     else:
-        wait_for(lambda: record_files(tmp_path), what="the TTL write")
+        wait_for(lambda: record_files(tmp_path), 15, what="the TTL write")
     control.close()
     assert main(["check", str(tmp_path)]) == 0
     status = "finished" if mode == "finish" else "abandoned"

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from server_fixtures import upstream
+from server_fixtures import upstream, wait_for
 
 from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
@@ -183,14 +183,21 @@ def test_the_mitmdump_script(upstream: ScriptedUpstream, tmp_path: Path) -> None
     )
     try:
         assert process.stdout is not None
+        # mitmproxy says it listens before the addon's `running` hook writes the token:
+        # read on until the addon names its token file too.
+        address = token_path = None
         for line in process.stdout:
-            match = re.search(r"listening at (127\.0\.0\.1:\d+)", line)
-            if match:
+            if match := re.search(r"listening at (127\.0\.0\.1:\d+)", line):
+                address = match.group(1)
+            if match := re.search(r"control token is in (\S+)", line):
+                token_path = match.group(1)
+            if address and token_path:
                 break
         else:
             pytest.fail("mitmdump did not start")
-        url = f"http://{match.group(1)}"
-        token_file = default_token_file(int(match.group(1).rsplit(":", 1)[1]))
+        url = f"http://{address}"
+        token_file = default_token_file(int(address.rsplit(":", 1)[1]))
+        assert str(token_file) == token_path
         token = token_file.read_text().strip()
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         headers = {"Authorization": f"Bearer {token}"}

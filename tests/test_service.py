@@ -70,6 +70,8 @@ def test_readme_snippet_in_token_mode(engine: ScriptedEngine, qwen3_dir: Path, t
         renderer_pool_size=1,
         max_model_len=32768,
         record_dir=str(tmp_path),
+        sampling_mask=True,  # the engine serves masks (--return-sampling-mask): top_k > 0
+        sampling_overrides={"top_k": 20},
     )
     url = service.start()
     try:
@@ -270,6 +272,7 @@ def test_a_record_missing_a_listed_sidecar_is_never_rewritten(
         renderer_name="qwen3",
         renderer_pool_size=1,
         record_dir=str(tmp_path),
+        sampling_overrides={"top_k": 20},  # the engine serves sampling masks
     )
     service = CaptureService(engine.url, **options)
     url = service.start()

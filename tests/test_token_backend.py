@@ -1,4 +1,4 @@
-"""Tests of TokenBackend.chat driven directly against the scripted vLLM engine on a real socket."""
+"""Tests of TokenBackend.call driven directly against the scripted vLLM engine on a real socket."""
 
 from __future__ import annotations
 
@@ -14,14 +14,8 @@ import pytest
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.mock.engine import Reply as EngineReply
 from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
-from skycap.tokens.backend import (
-    _SHARED_INTS,
-    ENGINE_EXCERPT_LIMIT,
-    SHARED_INT_LIMIT,
-    TokenBackend,
-    _interned,
-    engine_status_message,
-)
+from skycap.tokens.backend import _SHARED_INTS, SHARED_INT_LIMIT, TokenBackend, _interned
+from skycap.tokens.client import ENGINE_EXCERPT_LIMIT, engine_status_message
 from skycap.tokens.engine import VLLMEngine
 from skycap.tokens.renderer import LibraryRenderer
 from skycap.trajectory import FAILED, FINISHED, Trajectory
@@ -41,7 +35,7 @@ START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 
 @pytest.fixture
 def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer, sampling_mask=True) as scripted:
+    with ScriptedEngine(qwen3_tokenizer, model=["scripted-policy", "served-policy"]) as scripted:
         yield scripted
 
 
@@ -99,7 +93,8 @@ async def run_episode(backend: TokenBackend, traj: Trajectory, turns: int) -> li
 async def test_a_tool_episode_stays_one_path_and_every_later_call_bridges(
     engine: ScriptedEngine, make_backend: Any
 ) -> None:
-    backend = make_backend()
+    engine.sampling_mask = True  # as started with --return-sampling-mask: top_k is required
+    backend = make_backend(sampling_mask=True, sampling_overrides={"top_k": 20})
     traj = trajectory(backend)
     await run_episode(backend, traj, 4)
     graph = traj.graph
@@ -216,7 +211,7 @@ async def test_refusals_before_inference_record_nothing(
     reply = await backend.call(traj, CHAT.read(chat_body(START, **extra)), CHAT)
     assert reply.status == status and not reply.replayable
     assert error_of(reply)["code"] == code and message in error_of(reply)["message"]
-    assert engine.requests == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
+    assert engine.generated == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
     assert traj.context_length_exceeded is (code == "context_length_exceeded")
 
 
@@ -229,7 +224,7 @@ async def test_plan_errors_are_400_before_inference(
     assert reply.status == 400 and "`messages` is empty" in error_of(reply)["message"]
     reply = await backend.call(traj, CHAT.read(chat_body([{"content": "no role"}])), CHAT)
     assert reply.status == 400 and error_of(reply)["type"] == "invalid_request_error"
-    assert engine.requests == [] and traj.failures == [] and traj.is_open
+    assert engine.generated == [] and traj.failures == [] and traj.is_open
 
 
 @pytest.mark.parametrize("role", ["developer", "narrator"])
@@ -247,15 +242,15 @@ async def test_a_message_the_template_drops_is_a_plan_error_naming_it(
         f"message 0 (role '{role}') renders to no tokens with this chat template, so the "
         "model would never see it; send it with a role the template renders, such as 'system'"
     )
-    assert engine.requests == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
+    assert engine.generated == [] and len(traj.graph) == 0 and traj.failures == [] and traj.is_open
     # Later in the history, where the turn would bridge: refused the same way, by position.
     messages = await run_episode(backend, traj, 1)
-    nodes, requests = len(traj.graph), len(engine.requests)
+    nodes, requests = len(traj.graph), len(engine.generated)
     later = [*messages, dropped, {"role": "user", "content": "y"}]
     reply = await backend.call(traj, CHAT.read(chat_body(later)), CHAT)
     assert reply.status == 400
     assert error_of(reply)["message"].startswith(f"message {len(messages)} (role '{role}')")
-    assert len(traj.graph) == nodes and len(engine.requests) == requests and traj.failures == []
+    assert len(traj.graph) == nodes and len(engine.generated) == requests and traj.failures == []
 
 
 async def test_messages_with_nothing_to_render_may_get_no_tokens(make_backend: Any) -> None:
@@ -286,7 +281,8 @@ async def test_an_ordinary_tool_conversation_renders_every_message(make_backend:
 async def test_stream_true_answers_one_buffered_sse_body(make_backend: Any) -> None:
     backend = make_backend()
     traj = trajectory(backend)
-    reply = await backend.call(traj, CHAT.read(chat_body(START, stream=True)), CHAT)
+    body = chat_body(START, stream=True, stream_options={"include_usage": True})
+    reply = await backend.call(traj, CHAT.read(body), CHAT)
     assert reply.status == 200 and reply.replayable
     assert reply.headers["content-type"] == "text/event-stream"
     assert reply.headers["x-skycap-status"] == "ok"
@@ -294,15 +290,22 @@ async def test_stream_true_answers_one_buffered_sse_body(make_backend: Any) -> N
     assert frames[-2:] == ["data: [DONE]", ""]
     chunks = [json.loads(f.removeprefix("data: ")) for f in frames[:-2]]
     assert len({c["id"] for c in chunks}) == 1
-    deltas = [c["choices"][0]["delta"] for c in chunks]
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
     assert deltas[0] == {"role": "assistant"}
     reasoning = "Step 1: I will call search."
     assert deltas[1] == {"reasoning_content": reasoning, "reasoning": reasoning}
     assert deltas[2]["tool_calls"][0]["function"]["name"] == "search"
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    # Usage comes last, in a chunk of its own, only because include_usage asked for it.
+    assert chunks[-1]["choices"] == [] and "usage" not in chunks[-2]
     assert chunks[-1]["usage"]["total_tokens"] == sum(
         chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens")
     )
+    plain = await backend.call(
+        trajectory(backend, "02"), CHAT.read(chat_body(START, stream=True)), CHAT
+    )
+    frames = plain.body.decode().split("\n\n")
+    assert all("usage" not in json.loads(f.removeprefix("data: ")) for f in frames[:-2])
 
 
 async def test_raw_content_replays_verbatim_as_one_path(make_backend: Any) -> None:
@@ -456,7 +459,7 @@ async def test_a_closed_trajectory_gets_410(engine: ScriptedEngine, make_backend
     traj.seal(FINISHED)
     reply = await backend.call(traj, CHAT.read(chat_body(START)), CHAT)
     assert reply.status == 410 and error_of(reply)["message"] == "trajectory is finished"
-    assert engine.requests == []
+    assert engine.generated == []
 
 
 async def test_models_lists_the_served_model_or_passes_the_engine_through(

@@ -125,6 +125,8 @@ def control(
         renderer_pool_size=2,
         record_dir=records,
         upstream_timeout=1.0,
+        sampling_mask=True,  # the engine runs as with --return-sampling-mask: top_k > 0
+        sampling_overrides={"top_k": 20},
     )
     client = Control(server.url)
     yield client
@@ -279,7 +281,13 @@ def test_bad_routed_experts_fail_the_trajectory_after_answering(
 def test_raw_content_replayed_without_reasoning_stays_one_path(
     engine: ScriptedEngine, servers: OneServer, qwen3_renderer: Any
 ) -> None:
-    control = Control(servers.get(engine.url, renderer=qwen3_renderer, use_raw_content=True).url)
+    server = servers.get(
+        engine.url,
+        renderer=qwen3_renderer,
+        use_raw_content=True,
+        sampling_overrides={"top_k": 20},  # the engine serves sampling masks
+    )
+    control = Control(server.url)
     try:
         trajectory = control.create()
         client = sdk(trajectory)

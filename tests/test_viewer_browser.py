@@ -170,3 +170,54 @@ def test_keyboard_filters_health_band_and_text_only_fallback(server: ViewerServe
     page.wait_for_selector(".tv .t")
     shot(page, "dark" if page.get_attribute("html", "data-theme") == "dark" else "light")
     assert page.errors == []
+
+
+def test_skycap_view_of_an_s3_mirror_lists_and_opens_records(
+    server: ViewerServer, page, s3, tmp_path: Path
+) -> None:
+    """The real `skycap view s3://…` command, storage options from the environment."""
+    import json
+    import subprocess
+    import sys
+
+    from mirror_fixtures import s3_options
+    from server_fixtures import wait_for
+
+    grpo = Path(server.viewer.index.runs["grpo"].path)
+    bucket = s3.bucket()
+    for path in sorted(grpo.iterdir()):  # sidecars before documents, as the mirror copies
+        if path.name.endswith(".zst") and not path.name.endswith(".json.zst"):
+            s3.client.put_object(Bucket=bucket, Key=f"grpo/{path.name}", Body=path.read_bytes())
+    for path in sorted(grpo.glob("*.json.zst")):
+        s3.client.put_object(Bucket=bucket, Key=f"grpo/{path.name}", Body=path.read_bytes())
+    env = {
+        **os.environ,
+        "SKYCAP_STORAGE_OPTIONS": json.dumps(s3_options(s3.endpoint)),
+        "SKYCAP_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "skycap.cli.main",
+        "view",
+        f"s3://{bucket}/grpo",
+        "--port",
+        "0",
+    ]
+    viewer = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = wait_for(viewer.stdout.readline, 60, "skycap view's start line")
+        documents = len(list(grpo.glob("*.json.zst")))
+        assert f"1 run(s), {documents} record(s) at http://" in line, line
+        url = line.split(" at ")[1].split()[0]
+        page.goto(url)
+        page.wait_for_selector("tr.group")
+        assert page.locator("tr.group").count() == 5
+        doc_id = grpo_id(1, "a", 0, 0)
+        page.click('tr.group[data-key="1~a"]')
+        page.click(f'tr.group-body tr[data-id="{doc_id}"] a')
+        page.wait_for_selector(".tv .ln.k-sampled .t")
+        assert page.errors == []
+    finally:
+        viewer.terminate()
+        viewer.wait(10)

@@ -10,7 +10,11 @@ HELP = "Report whether recorded trajectories are linear, and why each fork happe
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("record_dir", metavar="RECORD_DIR", help="a record directory")
+    from skycap.cli.sources import add_storage_options
+
+    parser.add_argument(
+        "record_dir", metavar="RECORD_DIR", help="a record directory or a mirror URL (s3://...)"
+    )
     parser.add_argument(
         "ids",
         metavar="TRAJECTORY_ID",
@@ -18,6 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],  # without it argparse calls the optional ids "required" in its errors
         help="trajectories to check (default: all)",
     )
+    add_storage_options(parser)
     parser.set_defaults(check_parser=parser)
 
 
@@ -46,14 +51,16 @@ def _selected_ids(args: argparse.Namespace, record_dir: Path) -> list[str] | str
 
 
 def run(args: argparse.Namespace) -> int:
+    from skycap.cli.sources import SourceError, record_dir
     from skycap.linearity import MalformedDocument, analyse, summary_line
     from skycap.record.reader import RecordError, document_path, read_document
 
-    record_dir = Path(args.record_dir)
-    if not record_dir.is_dir():
-        return _usage_error(args, f"{args.record_dir} is not a directory")
     try:
-        ids = _selected_ids(args, record_dir)
+        directory = record_dir(args.record_dir, args, sidecars=False)
+    except SourceError as exc:
+        return _usage_error(args, str(exc))
+    try:
+        ids = _selected_ids(args, directory)
     except OSError as exc:
         return _usage_error(args, f"cannot list {args.record_dir}: {exc.strerror or exc}")
     if isinstance(ids, str):
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     unreadable = 0
     for trajectory_id in ids:
         try:
-            report = analyse(read_document(document_path(record_dir, trajectory_id)))
+            report = analyse(read_document(document_path(directory, trajectory_id)))
         except RecordError as exc:
             reason = str(exc)
         except MalformedDocument as exc:

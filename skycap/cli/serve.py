@@ -1,4 +1,8 @@
-"""`skycap serve`: run a capture server in the foreground until SIGINT or SIGTERM."""
+"""`skycap serve`: run a capture server in the foreground until SIGINT or SIGTERM.
+
+Exit status: 0 after a clean shutdown, 1 when it cannot start, 3 when records could not
+be written by the end of shutdown (D-44; their crash journals stay for the next start).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 
 HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EXIT_RECORDS_LOST = 3
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.serve_parser
     try:
         options = from_values(vars(args))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
 
@@ -49,6 +54,16 @@ def run(args: argparse.Namespace) -> int:
         upstream = options.upstream_url or "each call's original host"
         # The start line is news, not a warning: it goes to stderr whatever --log-level says.
         lines = [f"skycap {options.mode} mode listening on {url} (upstream {upstream})"]
+        if options.record_mirror is not None:
+            from skycap.record.mirror import redact
+
+            lines.append(f"records mirrored to {redact(options.record_mirror)}")
+        if addon.backend is not None:
+            lines.append(
+                f"token mode: {addon.backend.served.describe()}; logprobs_mode "
+                f"{options.logprobs_mode} (vLLM's --logprobs-mode must match: its default is "
+                "raw_logprobs)"
+            )
         if token_file is not None:
             lines.append(f"control token in {token_file} (mode 0600)")
         if addon.proxy is not None:
@@ -94,4 +109,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
+    lost = addon.store.lost if addon.store is not None else []
+    if lost:
+        print(
+            f"skycap serve: error: {len(lost)} records could not be written to "
+            f"{options.record_dir}: {', '.join(lost)}",
+            file=sys.stderr,
+        )
+        return EXIT_RECORDS_LOST
     return 0

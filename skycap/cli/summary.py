@@ -21,8 +21,13 @@ REWARD_BUCKETS = 10
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", metavar="DIR", nargs="+", help="record directories")
+    from skycap.cli.sources import add_storage_options
+
+    parser.add_argument(
+        "dirs", metavar="DIR", nargs="+", help="record directories or mirror URLs (s3://...)"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_storage_options(parser)
     parser.set_defaults(summary_parser=parser)
 
 
@@ -333,19 +338,24 @@ def _print_tables(results: Sequence[Mapping[str, Any]], elapsed_ms: Sequence[flo
 
 
 def run(args: argparse.Namespace) -> int:
+    from skycap.cli.sources import SourceError, record_dir
+
+    local = []
     for d in args.dirs:
-        if not Path(d).is_dir():
+        try:
+            local.append(record_dir(d, args, sidecars=False))
+        except SourceError as exc:
             parser: argparse.ArgumentParser = args.summary_parser
             parser.print_usage(sys.stderr)
-            print(f"{parser.prog}: error: {d} is not a directory", file=sys.stderr)
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
             return 2
     import skycap.record.reader  # noqa: F401  (imported before the clock starts)
 
     results, elapsed = [], []
-    for d in args.dirs:
+    for d, path in zip(args.dirs, local, strict=True):
         started = time.perf_counter()
         try:
-            stats, errors = summarise_directory(Path(d))
+            stats, errors = summarise_directory(path)
         except OSError as exc:
             stats, errors = (
                 directory_stats([], 0),

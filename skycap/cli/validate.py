@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 HELP = "Check record directories against the record rules (exit 0 clean, 1 problems, 2 usage)."
 
@@ -20,11 +19,16 @@ def _limit(text: str) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="record directories to check")
+    from skycap.cli.sources import add_storage_options
+
     parser.add_argument(
-        "--sidecars",
+        "dirs", nargs="+", metavar="DIR", help="record directories or mirror URLs to check"
+    )
+    add_storage_options(parser)
+    parser.add_argument(
+        "--documents-only",
         action="store_true",
-        help="also decode each tokens sidecar and check it against its document",
+        help="check documents only, not the sidecar files they list (the fast pass)",
     )
     parser.add_argument(
         "--limit",
@@ -36,15 +40,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from skycap.cli.sources import SourceError, record_dir
     from skycap.viewer.validate import check_directory
 
+    local = []
     for directory in args.dirs:
-        if not Path(directory).is_dir():
-            print(f"skycap validate: error: {directory} is not a directory", file=sys.stderr)
+        try:
+            local.append(record_dir(directory, args, sidecars=not args.documents_only))
+        except SourceError as exc:
+            print(f"skycap validate: error: {exc}", file=sys.stderr)
             return 2
     bad = 0
-    for directory in args.dirs:
-        report = check_directory(Path(directory), sidecars=args.sidecars, limit=args.limit)
+    for directory, path in zip(args.dirs, local, strict=True):
+        report = check_directory(path, sidecars=not args.documents_only, limit=args.limit)
+        report.directory = directory
         for line in report.lines + report.footer():
             print(line)
         bad += report.bad

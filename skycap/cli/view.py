@@ -11,11 +11,14 @@ HELP = "Browse record directories in a local, read-only web viewer."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from skycap.cli.sources import add_storage_options
+
     parser.add_argument(
         "dirs",
         nargs="+",
         metavar="DIR",
-        help="a record directory, or a folder whose children or grandchildren are ones",
+        help="a record directory, a folder whose children or grandchildren are ones, or a "
+        "mirror URL (s3://bucket/prefix)",
     )
     parser.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765)")
     parser.add_argument(
@@ -30,6 +33,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="keys (meta, then annotations) that make a group (default step,instance_id)",
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing while serving")
+    parser.add_argument(
+        "--refresh",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often a mirror URL is listed again for new and changed records (default 30)",
+    )
+    add_storage_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,10 +50,21 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"skycap view: error: --port must be 0-65535, got {args.port}", file=sys.stderr)
         return 2
-    for directory in args.dirs:
-        if not Path(directory).is_dir():
+    if not args.refresh > 0:
+        print(f"skycap view: error: --refresh must be > 0, got {args.refresh}", file=sys.stderr)
+        return 2
+    from skycap.record.remote import is_url
+
+    dirs = [Path(d) for d in args.dirs if not is_url(d)]
+    for directory in dirs:
+        if not directory.is_dir():
             print(f"skycap view: error: {directory} is not a directory", file=sys.stderr)
             return 2
+    try:
+        mirrors = _mirrors([d for d in args.dirs if is_url(d)], args)
+    except ValueError as exc:
+        print(f"skycap view: error: {exc}", file=sys.stderr)
+        return 2
     try:
         group_by = parse_group_by(args.group_by)
     except QueryError:
@@ -60,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         server = make_server(
-            [Path(d) for d in args.dirs], host=args.host, port=args.port, group_by=group_by
+            dirs,
+            host=args.host,
+            port=args.port,
+            group_by=group_by,
+            mirrors=mirrors,
+            mirror_interval=args.refresh,
         )
     except OSError as exc:
         # A name that does not resolve is a bad --host; anything else is about the port.
@@ -85,3 +112,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _mirrors(urls: list[str], args: argparse.Namespace) -> list:
+    """A cache per mirror URL (nothing is fetched yet); ValueError naming what is wrong."""
+    if not urls:
+        return []
+    from skycap.record.remote import MirrorCache, storage_options
+
+    options = storage_options(args.storage_options)
+    try:
+        return [MirrorCache(url, options) for url in urls]
+    except (ImportError, TypeError) as exc:
+        raise ValueError(str(exc)) from None

@@ -20,7 +20,8 @@ spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
 - `reply_id() -> str`: a fresh id for a token-mode reply (`chatcmpl-…`, `msg_…`).
 - `reply_json(reply: ReplyData) -> bytes` and `reply_sse(reply: ReplyData) -> bytes`: token
   mode's answer from plain data, as one JSON body or one buffered SSE body.
-- `error(status, message, code=None) -> bytes`: the dialect's error body (D-36).
+- `error(status, message, code=None, param=None) -> bytes`: the dialect's error body (D-36);
+  `param` names the request field at fault where the API's error shape has a place for it.
 - `finish_reason(canonical) -> str`: the dialect's spelling of a canonical finish reason.
 
 Finish reasons on the canonical side are Chat Completions': `stop`, `length`, `tool_calls`.
@@ -60,7 +61,12 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class ReplyData:
-    """What a token-mode reply says, free of any API's shape: the writer's input."""
+    """What a token-mode reply says, free of any API's shape: the writer's input.
+
+    `request` is the call it answers (a writer that reads request options, such as Chat
+    Completions' `stream_options.include_usage`, reads it there); `stop_sequence` is the
+    stop string that ended the reply, if one did (its `finish_reason` is then `stop`).
+    """
 
     id: str
     created: int
@@ -69,6 +75,8 @@ class ReplyData:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    request: Request | None = None
+    stop_sequence: str | None = None
 
 
 class Assembler(Protocol):
@@ -108,6 +116,8 @@ class Dialect(Protocol):
 
     def reply_sse(self, reply: ReplyData) -> bytes: ...
 
-    def error(self, status: int, message: str, code: str | None = None) -> bytes: ...
+    def error(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> bytes: ...
 
     def finish_reason(self, canonical: str) -> str: ...

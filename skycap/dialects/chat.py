@@ -66,10 +66,12 @@ def recorded_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: body[key] for key in SAMPLING_KEYS if body.get(key) is not None}
 
 
-def openai_error(status: int, message: str, code: str | None = None) -> bytes:
-    """The harness-route error body of http.md §1 (SDKs read `error.message` and `code`)."""
+def openai_error(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> bytes:
+    """The harness-route error body of http.md §1 (SDKs read `error.message`, `code`, `param`)."""
     kind = "api_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def completion_id() -> str:
@@ -263,6 +265,11 @@ def _head(reply: ReplyData, kind: str) -> dict[str, Any]:
     return {"id": reply.id, "object": kind, "created": reply.created, "model": reply.model}
 
 
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 #: Reasoning keys a reply may carry, in the order a stream sends them.
 _REASONING_KEYS = ("reasoning_content", "reasoning")
 
@@ -313,12 +320,16 @@ class ChatDialect:
         )
 
     def reply_sse(self, reply: ReplyData) -> bytes:
-        """The whole synthesised stream as one buffered body (http.md §9.7)."""
+        """The whole synthesised stream as one buffered body (http.md §9.7).
+
+        Usage comes as a last `choices: []` chunk, only when the request asked for it with
+        `stream_options.include_usage` (as OpenAI and vLLM send it).
+        """
         head = _head(reply, "chat.completion.chunk")
 
-        def frame(delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
+        def frame(delta: dict[str, Any], reason: str | None = None) -> bytes:
             choice = {"index": 0, "delta": delta, "finish_reason": reason}
-            return b"data: " + orjson.dumps({**head, "choices": [choice], **extra}) + b"\n\n"
+            return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
 
         message = reply.message
         frames = [frame({"role": "assistant"})]
@@ -329,12 +340,17 @@ class ChatDialect:
             frames.append(frame({"content": message["content"]}))
         for index, call in enumerate(message.get("tool_calls") or ()):
             frames.append(frame({"tool_calls": [{"index": index, **call}]}))
-        frames.append(frame({}, reply.finish_reason, usage=_usage(reply)))
+        frames.append(frame({}, reply.finish_reason))
+        if reply.request is not None and _include_usage(reply.request.body):
+            usage = {**head, "choices": [], "usage": _usage(reply)}
+            frames.append(b"data: " + orjson.dumps(usage) + b"\n\n")
         frames.append(b"data: [DONE]\n\n")
         return b"".join(frames)
 
-    def error(self, status: int, message: str, code: str | None = None) -> bytes:
-        return openai_error(status, message, code)
+    def error(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> bytes:
+        return openai_error(status, message, code, param)
 
     def finish_reason(self, canonical_reason: str) -> str:
         return canonical_reason

@@ -51,9 +51,6 @@ _FINISH_REASONS = {
 SIGNATURE_PREFIX = "skycap-"
 BILLING_PREFIX = "x-anthropic-billing-header:"
 MAX_TOKENS_REQUIRED = "`max_tokens` is required: the Messages API needs it, and token mode uses it"
-STOP_SEQUENCES_REFUSED = (
-    "`stop_sequences` is not supported in token mode yet; drop it, or use text mode"
-)
 IMAGES_REFUSED = "images are not supported in token mode yet; send text, or use text mode"
 PREFILL_REFUSED = (
     "a final assistant message (prefill) is not supported in token mode; end the "
@@ -286,9 +283,9 @@ def read_request(body: Any) -> Request:
             raise BodyError(f"`messages[{i}].role` must be user or assistant, got {role!r}")
     tools, tool_refusal = _tools(body.get("tools"))
     sampling = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
-    stop = body.get("stop_sequences")
+    stop = _stop_sequences(body.get("stop_sequences"))
     if stop:
-        sampling["stop"] = stop
+        sampling["stop"] = stop  # token mode applies it as a stop string (D-41)
     return Request(
         body=body,
         messages=messages,
@@ -296,18 +293,28 @@ def read_request(body: Any) -> Request:
         model=body.get("model"),
         sampling=sampling,
         stream=body.get("stream") is True,
-        token_refusal=_token_refusal(body, messages, tool_refusal, stop),
+        token_refusal=_token_refusal(body, messages, tool_refusal),
     )
 
 
+def _stop_sequences(value: Any) -> list[str] | None:
+    """`stop_sequences` checked: a list of non-empty strings (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise BodyError(f"`stop_sequences` must be a list of strings, got {json_type(value)}")
+    for k, stop in enumerate(value):
+        if not isinstance(stop, str) or not stop:
+            raise BodyError(f"`stop_sequences[{k}]` must be a non-empty string, got {stop!r}")
+    return value
+
+
 def _token_refusal(
-    body: dict[str, Any], messages: list[dict[str, Any]], tool_refusal: str | None, stop: Any
+    body: dict[str, Any], messages: list[dict[str, Any]], tool_refusal: str | None
 ) -> str | None:
     """Why token mode cannot run this request, or None (checked in this order)."""
     if body.get("max_tokens") is None:
         return MAX_TOKENS_REQUIRED
-    if stop:
-        return STOP_SEQUENCES_REFUSED  # until stop strings land (D-41)
     if _has_image(messages):
         return IMAGES_REFUSED
     if tool_refusal is not None:
@@ -448,7 +455,7 @@ class MessagesDialect:
         return "msg_" + secrets.token_hex(12)
 
     def _message(
-        self, reply: ReplyData, content: list[dict[str, Any]], stop: Any
+        self, reply: ReplyData, content: list[dict[str, Any]], stop: Any, sequence: str | None
     ) -> dict[str, Any]:
         return {
             "id": reply.id,
@@ -457,7 +464,7 @@ class MessagesDialect:
             "model": reply.model,
             "content": content,
             "stop_reason": stop,
-            "stop_sequence": None,
+            "stop_sequence": sequence,
             "usage": {
                 "input_tokens": reply.prompt_tokens,
                 "output_tokens": reply.completion_tokens,
@@ -468,26 +475,37 @@ class MessagesDialect:
 
     def reply_json(self, reply: ReplyData) -> bytes:
         blocks = content_blocks(reply.message)
-        return orjson.dumps(self._message(reply, blocks, stop_reason(reply.finish_reason)))
+        message = self._message(reply, blocks, _reply_stop(reply), reply.stop_sequence)
+        return orjson.dumps(message)
 
     def reply_sse(self, reply: ReplyData) -> bytes:
         """message_start, each block's start/delta/stop, message_delta, message_stop."""
-        start = self._message(reply, [], None)
+        start = self._message(reply, [], None, None)
         start["usage"]["output_tokens"] = 0
         frames = [_frame("message_start", {"message": start})]
         for index, block in enumerate(content_blocks(reply.message)):
             frames.extend(_block_frames(index, block))
-        delta = {"stop_reason": stop_reason(reply.finish_reason), "stop_sequence": None}
+        delta = {"stop_reason": _reply_stop(reply), "stop_sequence": reply.stop_sequence}
         usage = {"output_tokens": reply.completion_tokens}
         frames.append(_frame("message_delta", {"delta": delta, "usage": usage}))
         frames.append(_frame("message_stop", {}))
         return b"".join(frames)
 
-    def error(self, status: int, message: str, code: str | None = None) -> bytes:
+    def error(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> bytes:
+        """Anthropic's error shape has no field name: `param` is not sent."""
         return anthropic_error(status, message, code)
 
     def finish_reason(self, canonical_reason: str) -> str:
         return stop_reason(canonical_reason)
+
+
+def _reply_stop(reply: ReplyData) -> str:
+    """The answered `stop_reason`: `stop_sequence` when a stop sequence ended the reply."""
+    if reply.stop_sequence is not None:
+        return "stop_sequence"
+    return stop_reason(reply.finish_reason)
 
 
 def _frame(kind: str, payload: dict[str, Any]) -> bytes:

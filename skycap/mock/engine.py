@@ -3,9 +3,16 @@
 Used by tests, `skycap demo` (deterministic, no network) and benchmarks, so it needs no
 pytest. Replies come from a queue of scripted texts, then from a script function (by
 default a short deterministic tool-calling episode derived from the prompt). Each text is
-encoded with the given tokenizer plus the stop token, and answered in the http.md §10.2
-shape with deterministic logprobs, routed experts and sampling masks, so tests can check
-exactly what was captured. Faults can be injected per call.
+encoded with the given tokenizer plus the stop token, and answered in vLLM's reply shape
+(`version="0.33"`, the default, or `"0.26"`) with deterministic logprobs, routed experts
+and sampling masks, so tests can check exactly what was captured. Faults can be injected
+per call.
+
+It refuses what vLLM 0.33 refuses, each rule naming the vLLM source it mirrors (paths under
+`vllm/`): an unknown `model` (404), a bad `cache_salt`, sampling values out of range, stop
+strings on a `--tokens-only` server, and, when started "with --return-sampling-mask"
+(`sampling_mask=True`), requests without temperature > 0 and top_k > 0. 0.26 has no
+cache-salt rule and no sampling masks.
 
     engine = ScriptedEngine(tokenizer)
     url = engine.start()
@@ -33,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from skycap.mock.vllm_rules import cache_salt_problem, sampling_problem
+
 GENERATE_PATH = "/inference/v1/generate"
 
 #: Fault modes accepted by `ScriptedEngine.fail_next`.
@@ -49,9 +58,14 @@ FAULTS = frozenset(
         "http_400",  # 400 with a JSON error body
         "hang",  # no answer until release() (then a normal answer) or stop() (then a close)
         "close",  # the connection is closed without an answer
+        "missing_logprobs",  # 200 with vLLM's -9999.0 "no logprob" for the first token
     }
 )
+VERSIONS = ("0.33", "0.26")
+EXPERT_DTYPES = ("uint8", "uint16", "int32")
 
+#: vLLM's "no logprob" value (token_in_token_out/serving.py `_clamp_logprob`).
+MISSING_LOGPROB = -9999.0
 #: Distinct expert ids the scripted router picks from.
 NUM_EXPERTS = 64
 
@@ -61,8 +75,9 @@ class Reply:
     """A scripted completion.
 
     "stop": the text's tokens plus the stop token. "length": the text's tokens only (a
-    reply cut off, e.g. inside a thinking block). Either way the completion is cut at the
-    request's `max_tokens`, which makes the finish reason "length".
+    reply cut off, e.g. inside a thinking block). "repetition" (vLLM's repetitive-pattern
+    stop) and "abort" (a request aborted inside the engine) also end without a stop token.
+    Every kind is cut at the request's `max_tokens`, which makes the finish reason "length".
     """
 
     text: str
@@ -119,12 +134,27 @@ class ScriptedEngine:
         stop_token: str = "<|im_end|>",
         experts: tuple[int, int] | None = (4, 2),
         sampling_mask: bool = False,
-        model: str = "scripted-policy",
+        model: str | Sequence[str] = "scripted-policy",
+        version: str = "0.33",
+        tokens_only: bool = True,
+        scale_out: bool = True,
+        experts_dtype: str = "uint8",
     ) -> None:
         """`tokenizer` is a transformers tokenizer or a path/name to load one from.
 
-        `experts` is (layers, k) for routed experts, or None to answer `null`.
+        `experts` is (layers, k) for routed experts, or None to answer `null`. `model` is
+        the served name, or several (`--served-model-name a b`). `sampling_mask` is a server
+        started with `--return-sampling-mask` (0.33 only); `tokens_only` one started with
+        `--tokens-only` (no tokenizer, so stop strings are refused); `scale_out=False` a 0.33
+        server without `--enable-scale-out` or `--tokens-only`, which answers 403.
+        `experts_dtype` is the routed-experts dtype on the wire.
         """
+        if version not in VERSIONS:
+            raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+        if sampling_mask and version != "0.33":
+            raise ValueError("vLLM 0.26 has no sampling masks (--return-sampling-mask is 0.33+)")
+        if experts_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"experts_dtype must be one of {EXPERT_DTYPES}, got {experts_dtype!r}")
         self._tokenizer = _as_tokenizer(tokenizer)
         self._encode_lock = threading.Lock()
         self.stop_token_id = _single_token_id(self._tokenizer, stop_token)
@@ -135,7 +165,12 @@ class ScriptedEngine:
         self._script: Script = script or self.default_reply
         self.experts = experts
         self.sampling_mask = sampling_mask
-        self.model = model
+        self.models = [model] if isinstance(model, str) else list(model)
+        self.model = self.models[0]
+        self.version = version
+        self.tokens_only = tokens_only
+        self.scale_out = scale_out
+        self.experts_dtype = experts_dtype
         self.requests: list[Request] = []
         self._faults: list[list[Any]] = []
         self._hangs: list[threading.Event] = []
@@ -210,14 +245,27 @@ class ScriptedEngine:
         with self._cond:
             self._wake_hangs()
 
-    def wait_for_requests(self, count: int, timeout: float = 5.0) -> None:
-        """Block until `count` requests have arrived; TimeoutError otherwise."""
+    @property
+    def generated(self) -> list[Request]:
+        """The generate calls received (`requests` also holds `/v1/models` and others)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self.requests) >= count, timeout):
+            return [r for r in self.requests if r.path.split("?", 1)[0] == GENERATE_PATH]
+
+    def wait_for_requests(self, count: int, timeout: float = 5.0) -> None:
+        """Block until `count` generate calls have arrived; TimeoutError otherwise.
+
+        Only generate calls count: a token-mode server also asks `/v1/models` for the
+        served name, at start or on its first call.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._generate_count() >= count, timeout):
                 raise TimeoutError(
-                    f"scripted engine got {len(self.requests)} requests, expected {count} "
-                    f"within {timeout} s"
+                    f"scripted engine got {self._generate_count()} generate requests, expected "
+                    f"{count} within {timeout} s"
                 )
+
+    def _generate_count(self) -> int:
+        return sum(1 for r in self.requests if r.path.split("?", 1)[0] == GENERATE_PATH)
 
     def default_reply(self, body: dict[str, Any]) -> Reply:
         """A deterministic episode: call the first offered tool twice, then answer.
@@ -287,9 +335,29 @@ class ScriptedEngine:
         if fault in ("http_500", "http_400"):
             status = int(fault[-3:])
             return status, _json({"error": {"message": f"scripted engine fault {fault}"}})
+        if self.version == "0.33" and not self.scale_out:
+            # entrypoints/scale_out/factories.py `register_scale_out_api_routers`
+            return 403, _error(
+                "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out "
+                "to enable them.",
+                "PermissionDeniedError",
+                403,
+            )
         problem = _bad_request(body)
         if problem:
-            return 400, _json({"error": {"message": problem}})
+            return 400, _error(problem)
+        model = body.get("model")
+        if model and model not in self.models:
+            # entrypoints/serve/engine/serving.py `_check_model`
+            return 404, _error(
+                f"The model `{model}` does not exist. Valid aliases: {', '.join(self.models)}.",
+                "NotFoundError",
+                404,
+                "model",
+            )
+        problem = self._refusal(body)
+        if problem:
+            return 400, _error(problem)
         with self._cond:
             reply = self._replies.popleft() if self._replies else None
         reply = reply if reply is not None else self._script(body)
@@ -305,10 +373,10 @@ class ScriptedEngine:
         ids, finish = self._completion(reply, params.get("max_tokens"))
         if fault == "empty_token_ids":
             ids = []
-        logprobs = [
-            {"token": f"token_id:{t}", "logprob": scripted_logprob(t, len(prompt) + i)}
-            for i, t in enumerate(ids)
-        ]
+        values = [scripted_logprob(t, len(prompt) + i) for i, t in enumerate(ids)]
+        if fault == "missing_logprobs" and values:
+            values[0] = MISSING_LOGPROB
+        logprobs = [self._logprob_entry(t, v) for t, v in zip(ids, values, strict=True)]
         if fault == "short_logprobs":
             logprobs = logprobs[:-1]
         choice = {
@@ -317,13 +385,16 @@ class ScriptedEngine:
             "logprobs": None if fault == "no_logprobs" else {"content": logprobs},
             "finish_reason": finish,
             "routed_experts": self._experts(prompt + ids, params, fault),
-            "sampling_mask": [[t, t + 1] for t in ids] if self.sampling_mask else None,
         }
+        if self.version == "0.33":
+            # token_in_token_out/protocol.py GenerateChoiceBase (0.26 has no masks)
+            choice["stop_reason"] = self.stop_token_id if finish == "stop" else None
+            choice["sampling_mask"] = [[t, t + 1] for t in ids] if self.sampling_mask else None
         with self._cond:
             number = len(self.requests)
         return {
             "request_id": f"gen-{number}",
-            "model": body.get("model") or self.model,
+            "model": self.model,
             "created": int(time.time()),
             "usage": {
                 "prompt_tokens": len(prompt),
@@ -332,6 +403,49 @@ class ScriptedEngine:
             },
             "choices": [] if fault == "no_choices" else [choice],
         }
+
+    def _logprob_entry(self, token: int, value: float) -> dict[str, Any]:
+        """One sampled-token entry in this version's shape (logprobs=0: no alternatives)."""
+        if self.version == "0.26":
+            # 0.26 token_in_token_out/serving.py `_create_tokens_logprobs`
+            entry = {"token": f"token_id:{token}", "logprob": value, "bytes": None}
+            return {**entry, "top_logprobs": [entry]}
+        # 0.33 token_in_token_out/serving.py `_create_tokens_logprobs`
+        entry = {"token_id": token, "logprob": value, "rank": 1}
+        return {**entry, "top_logprobs": [entry]}
+
+    def _refusal(self, body: dict[str, Any]) -> str | None:
+        """What this vLLM version refuses in a well-formed request, or None."""
+        if self.version == "0.33":
+            problem = cache_salt_problem(body.get("cache_salt"))
+            if problem:
+                return problem
+        elif "cache_salt" in body and not isinstance(body["cache_salt"], str | None):
+            return "cache_salt: Input should be a valid string"  # pydantic field type (0.26)
+        params = body.get("sampling_params", {})
+        problem = sampling_problem(params)
+        if problem:
+            return problem
+        if params.get("stop") and self.tokens_only:
+            # token_in_token_out/serving.py `serve_tokens` (0.33)
+            return (
+                "stop strings are not supported on a --tokens-only server because "
+                "detokenization is disabled. Check stop strings on the coordinator, or use "
+                "stop_token_ids."
+            )
+        if params.get("stop"):
+            return "the scripted engine does not apply stop strings (start it tokens_only)"
+        if self.sampling_mask:
+            # v1/engine/input_processor.py, under model_config.return_sampling_mask
+            temperature, top_k = params.get("temperature", 1.0), params.get("top_k", 0)
+            if temperature <= 0:
+                return "sampling distribution replay requires temperature > 0"
+            if top_k <= 0:
+                return (
+                    "sampling distribution replay requires top_k > 0 to bound sampling mask "
+                    "size, reduce transfer overhead, and avoid potential OOMs"
+                )
+        return None
 
     def _completion(self, reply: Reply, max_tokens: Any) -> tuple[list[int], str]:
         ids = self._encode(reply.text)
@@ -353,7 +467,7 @@ class ScriptedEngine:
             rows = rows[:, :, 0]
         elif fault == "experts_coverage":
             rows = rows[:-2]
-        return npy_base64(rows)
+        return npy_base64(rows.astype(self.experts_dtype))
 
     def _encode(self, text: str) -> list[int]:
         with self._encode_lock:
@@ -382,6 +496,13 @@ def _bad_request(body: Any) -> str | None:
     if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
         return f"routed_experts_prompt_start must be in [0, {len(ids)}), got {start!r}"
     return None
+
+
+def _error(
+    message: str, kind: str = "BadRequestError", code: int = 400, param: str | None = None
+) -> bytes:
+    """vLLM's ErrorResponse body (entrypoints/serve/engine/protocol.py)."""
+    return _json({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def _json(value: Any) -> bytes:
@@ -448,8 +569,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] != "/v1/models":
             self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
             return
-        model = {"id": engine.model, "object": "model", "owned_by": "scripted-engine"}
-        self._send(200, _json({"object": "list", "data": [model]}))
+        models = [{"id": m, "object": "model", "owned_by": "vllm"} for m in engine.models]
+        self._send(200, _json({"object": "list", "data": models}))
 
     def do_POST(self) -> None:
         engine = self.server.engine

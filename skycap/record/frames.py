@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Buffer
 
+import zstandard
+
 ZSTD_MAGIC = 0xFD2FB528
 SKIPPABLE_MAGIC = 0x184D2A50  # the low 4 bits are free (0x184D2A50-0x184D2A5F)
 _FRAME_CONTENT_SIZE_BYTES = (0, 2, 4, 8)
 _DICT_ID_BYTES = (0, 1, 2, 4)
+# The most content one byte of a frame can stand for: an RLE block, 4 bytes with its header,
+# holds at most one 128 KiB block. A frame claiming more is corrupt, not merely large.
+MAX_RATIO = (128 * 1024) // 4
 
 
 class FrameError(ValueError):
@@ -85,3 +90,17 @@ def _frame_end(view: memoryview, start: int) -> int:
 
 def _truncated(start: int) -> FrameError:
     return FrameError(f"truncated zstd frame at byte {start}")
+
+
+def content_size_problem(frame: Buffer) -> str | None:
+    """Why the content size a frame header claims cannot be true, or None.
+
+    A hostile header can claim a terabyte in a few bytes; a decoder that trusts it
+    allocates that much before reading a block.
+    """
+    claimed = zstandard.frame_content_size(frame)
+    with memoryview(frame) as view:
+        limit = len(view) * MAX_RATIO
+    if claimed > limit:
+        return f"zstd frame claims {claimed} bytes of content, more than its size allows ({limit})"
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ import orjson
 import zstandard
 
 from skycap.graph import Graph, Tokens
-from skycap.record.frames import FrameError, zstd_frames
+from skycap.record.frames import FrameError, content_size_problem, zstd_frames
 from skycap.record.layout import (
     DOCUMENT_SUFFIX,
     DTYPES,
@@ -175,12 +176,20 @@ def _decompress_frame(data: mmap.mmap, path: Path) -> bytes:
     decompressor = zstandard.ZstdDecompressor()
     with memoryview(data) as whole, whole[start:end] as frame:
         try:
+            problem = content_size_problem(frame)
+            if problem is not None:
+                raise RecordError(f"ZstdError: {path.name}: {problem}")
             if zstandard.frame_content_size(frame) >= 0:
                 return decompressor.decompress(frame)
             # Another writer left the content size out: still one frame, so stream it.
             return decompressor.decompressobj().decompress(frame)
         except zstandard.ZstdError as exc:
+            # A content checksum that does not match lands here too (issue 17).
             raise RecordError(f"ZstdError: {path.name}: corrupt zstd frame: {exc}") from None
+        except MemoryError:
+            raise RecordError(
+                f"{path.name}: its zstd frame claims more content than this process can hold"
+            ) from None
 
 
 def _json_type(value: Any) -> str:
@@ -223,7 +232,7 @@ def _array(payload: bytes, kind: str, name: str, spec: Any) -> np.ndarray:
     if not _is_count(offset):
         raise RecordError(f"{what}: bad offset {offset!r}")
     item = np.dtype(dtype).newbyteorder("<")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: a hostile shape like [2**62, 4, 2] cannot wrap
     end = offset + count * item.itemsize
     if end > len(payload):
         raise RecordError(
@@ -270,7 +279,12 @@ def _trajectory(document: dict[str, Any]) -> Trajectory:
     trajectory.tools = document.get("tools") or {}
     trajectory.failures = document.get("failures") or []
     trajectory.retries = document.get("retries") or {"replayed": 0, "coalesced": 0}
-    trajectory.samples = document.get("samples")
+    samples = document.get("samples")
+    if samples is not None and not (
+        isinstance(samples, dict) and isinstance(samples.get("rows"), list)
+    ):
+        raise RecordError("samples must be null or an object with a rows array")
+    trajectory.samples = samples
     return trajectory
 
 

@@ -16,11 +16,12 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http, tcp
 from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 import skycap.control_token as credential
@@ -31,6 +32,7 @@ from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
 from skycap.server import options as options_module
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
+from skycap.server.destinations import Destinations
 from skycap.server.drain import (
     CONTROL_PATH,
     HARNESS_PATH,
@@ -42,7 +44,7 @@ from skycap.server.harness import Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.store import Answer, TrajectoryStore
-from skycap.server.textmode import TextCall, TextMode
+from skycap.server.textmode import CLOSE_AFTER, TextCall, TextMode
 from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
@@ -54,6 +56,7 @@ PROXIED = "skycap.proxied"
 
 # Route kinds.
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
+RECORD = "record"
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
 MESSAGES, COUNT_TOKENS, RESPONSES = "messages", "count-tokens", "responses"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
@@ -66,6 +69,8 @@ RESPONSES_REFUSAL = (
     "the Responses API (/v1/responses) is not captured by this skycap server yet; point the "
     "harness at Chat Completions or Anthropic Messages"
 )
+# An answer larger than this is dropped once sent (mitmproxy's stream state would keep it).
+LARGE_ANSWER = 1 << 20
 
 
 # Routes that name a trajectory: prefix -> ({(tail, method): kind}, kind of any other tail).
@@ -81,7 +86,10 @@ _NAMED = {
         },
         HARNESS_MISS,
     ),
-    "/trajectories/": ({("", "GET"): DOCUMENT, ("finish", "POST"): FINISH}, MISS),
+    "/trajectories/": (
+        {("", "GET"): DOCUMENT, ("finish", "POST"): FINISH, ("record", "GET"): RECORD},
+        MISS,
+    ),
 }
 
 
@@ -158,6 +166,18 @@ def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
         respond(flow, status, control_error(message))
 
 
+def _release_request_body(flow: http.HTTPFlow) -> None:
+    """Drop a request body nothing needs any more: it has been forwarded or answered.
+
+    mitmproxy's own per-request state holds the flow in a reference cycle (its stream's
+    state is a bound method), so without this a 200 MB request would stay resident until
+    the garbage collector happens to run. Large answers are dropped the same way once
+    sent: at the connection's next HTTP/1 request or when it closes.
+    """
+    if flow.request.data.content:
+        flow.request.data.content = b""
+
+
 @contextlib.contextmanager
 def _logged(flow: http.HTTPFlow, hook: str) -> Iterator[None]:
     """A bug in a response-side hook is logged as a warning, never shown as a traceback."""
@@ -180,6 +200,8 @@ class SkycapAddon:
         self.running_loop: asyncio.AbstractEventLoop | None = None
         self.conns = Connections()
         self.proxy: Proxy | None = None
+        # client connection id -> flows with a large answer that may still be being sent
+        self._answered: dict[str, list[weakref.ref[http.HTTPFlow]]] = {}
         if options is not None:
             self._build(options)
 
@@ -196,7 +218,10 @@ class SkycapAddon:
             capture = {"mode": "text"}
         self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
         if options.proxy_port is not None:
-            self.proxy = Proxy(self.store, ensure_ca(options.confdir), options.model_api_hosts)
+            destinations = Destinations(options.allow_rules, options.deny_rules)
+            self.proxy = Proxy(
+                self.store, ensure_ca(options.confdir), destinations, options.model_api_hosts
+            )
         self.control = Control(self.store, self.proxy, options.control_token)
         self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
         self.harness = Harness(options, self.store, self.text, self.backend)
@@ -217,7 +242,7 @@ class SkycapAddon:
             raise exceptions.OptionsError("skycap options cannot change while the server runs")
         try:
             options = options_module.from_addon_options(ctx.options)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, ImportError) as exc:
             raise exceptions.OptionsError(f"skycap: {exc}") from None
         self._build(options)
 
@@ -234,7 +259,10 @@ class SkycapAddon:
         await self.sink.start()
         if self.text is not None:
             await self.text.start()
+        self.store.recover()
         self.store.start()
+        if self.backend is not None:
+            await self.backend.start()  # learns the served model name (D-41)
         assert self.options is not None
         try:
             port = listen_address(proxyserver, ReverseMode)[1]
@@ -272,6 +300,11 @@ class SkycapAddon:
         self.token_file = path
         return path
 
+    def close_to_calls(self) -> None:
+        """Shutdown's first step, before connections close (D-44): no trajectory takes calls."""
+        if self.store is not None and self.running_loop is not None:
+            self.store.close_to_calls()
+
     async def done(self) -> None:
         if self.store is None or self.running_loop is None:
             return
@@ -294,8 +327,21 @@ class SkycapAddon:
     def client_disconnected(self, client: connection.Client) -> None:
         if self.proxy is not None:
             self.proxy.forget(client.id)
+        self._release_answered(client.id)
 
-    def _proxy_route(self, flow: http.HTTPFlow) -> tuple[str, str | None]:
+    def _release_answered(self, client_id: str) -> None:
+        """Drop the large answers already sent on a connection (see `_release_request_body`)."""
+        for ref in self._answered.pop(client_id, ()):
+            flow = ref()
+            if flow is not None and flow.response is not None:
+                flow.response.data.content = b""
+
+    async def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits (D-43)."""
+        if self.proxy is not None and self.proxy.serves(flow):
+            await self.proxy.tcp_start(flow)
+
+    async def _proxy_route(self, flow: http.HTTPFlow) -> tuple[str, str | None]:
         """Route a request on the proxy listener; a refusal or a pass-through is settled here."""
         assert self.proxy is not None
         try:
@@ -313,17 +359,19 @@ class SkycapAddon:
             self.proxy.refuse(flow, trajectory_id, dialect)
             return ANSWERED, trajectory_id
         if kind == PASS:
-            self.proxy.pass_through(flow, trajectory_id)
+            await self.proxy.pass_through(flow, trajectory_id)
             return (ANSWERED if flow.response is not None else PASS), trajectory_id
         flow.metadata[PROXIED] = True
         return kind, trajectory_id
 
     # -- request hooks -------------------------------------------------------------------------
 
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
+        if self._answered and not (flow.request.is_http2 or flow.request.is_http3):
+            self._release_answered(flow.client_conn.id)  # HTTP/1: earlier answers are sent
         if self.proxy is not None and self.proxy.serves(flow):
-            kind, trajectory_id = self._proxy_route(flow)
+            kind, trajectory_id = await self._proxy_route(flow)
         else:
             kind, trajectory_id = route(flow.request.method, flow.request.path)
         flow.metadata[ROUTE] = (kind, trajectory_id)
@@ -415,6 +463,9 @@ class SkycapAddon:
         if kind == FINISH:
             assert trajectory_id is not None
             return await self.control.finish(trajectory_id, raw)
+        if kind == RECORD:
+            assert trajectory_id is not None
+            return self.control.record(trajectory_id)
         assert kind == DOCUMENT and trajectory_id is not None
         return await self.control.document(trajectory_id)
 
@@ -430,6 +481,8 @@ class SkycapAddon:
     # -- response hooks (text mode) ------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(CLOSE_AFTER):
+            flow.response.headers["connection"] = "close"  # mitmproxy then closes it
         call: TextCall | None = flow.metadata.get(CALL)
         if call is not None and call.relaying:
             flow.response.stream = True  # a streamed reply from the relay, passed on as it comes
@@ -437,6 +490,9 @@ class SkycapAddon:
             flow.response.stream = True  # passed through untouched, never buffered
 
     def response(self, flow: http.HTTPFlow) -> None:
+        _release_request_body(flow)
+        if len(flow.response.data.content or b"") > LARGE_ANSWER:
+            self._answered.setdefault(flow.client_conn.id, []).append(weakref.ref(flow))
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, flow.response.status_code)
 
@@ -449,6 +505,7 @@ class SkycapAddon:
                 kind = flow.metadata.get(ROUTE, (None,))[0]
                 if kind == MODELS or kind == COUNT_TOKENS:
                     self.text.on_forward_error(flow, dialect_of(flow, kind))
+        _release_request_body(flow)
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, None)
 

@@ -93,14 +93,17 @@ class Control:
         return 401, control_error(message, "control_token_required")
 
     def liveness(self) -> Answer:
-        """`GET /healthz` without a credential: whether the server is up, nothing more."""
-        return Answer.json(200, {"ok": self.store.health()["ok"]})
+        """`GET /healthz` without a credential: whether the server is healthy, nothing more
+        (503 while a record cannot be written, D-44)."""
+        ok = self.store.health()["ok"]
+        return Answer.json(200 if ok else 503, {"ok": ok})
 
     def health(self) -> Answer:
         health = self.store.health()
         if self.proxy is not None:
             health["proxy"] = self.proxy.health()
-        return Answer.json(200, health)
+        # D-44: a record that cannot be written makes the server unhealthy.
+        return Answer.json(200 if health["ok"] else 503, health)
 
     def listing(self) -> Answer:
         return Answer.json(200, self.store.listing())
@@ -143,3 +146,6 @@ class Control:
 
     async def document(self, trajectory_id: str) -> Answer:
         return await self.store.document(trajectory_id)
+
+    def record(self, trajectory_id: str) -> Answer:
+        return self.store.record_location(trajectory_id)

@@ -23,7 +23,7 @@ from skycap.dialects.messages import models_listing
 from skycap.server.keys import authorized, bearer_key, key_matches, raw_header
 from skycap.server.options import ServerOptions
 from skycap.server.retry import Conflict, Entry, Replay, call_key
-from skycap.server.store import UNKNOWN, Live, TrajectoryStore
+from skycap.server.store import SHUTTING_DOWN, UNKNOWN, Live, TrajectoryStore
 from skycap.server.textmode import TextCall, TextMode
 from skycap.trajectory import is_trajectory_id
 from skycap.wire import BodyError, parse_json_body
@@ -161,6 +161,14 @@ class Harness:
                 harness_error(flow, 410, message, "trajectory_closed", dialect)
             else:
                 harness_error(flow, 404, UNKNOWN, None, dialect)
+            return None
+        if live.closed is not None:
+            # D-44: closed to calls with its status unchanged (shutdown, or rebuilt from a
+            # crash journal and not yet written).
+            if live.closed == SHUTTING_DOWN:
+                harness_error(flow, 503, live.closed, "server_shutting_down")
+            else:
+                harness_error(flow, 410, live.closed, "trajectory_closed")
             return None
         if not live.trajectory.is_open:
             status = live.trajectory.status

@@ -21,11 +21,16 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--sampling-mask` | `sampling_mask` | `skycap_sampling_mask` |
 | `--logprobs-mode MODE` | `logprobs_mode` | `skycap_logprobs_mode` |
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
+| `--keep-special-tokens` | `keep_special_tokens` | `skycap_keep_special_tokens` |
+| `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
 | `--upstream-auth {bearer,x-api-key}` | `upstream_auth` (D-37) | `skycap_upstream_auth` |
 | `--model-api-host HOST` (repeat) | `model_api_hosts` (D-38) | `skycap_model_api_host` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
+| `--journal-fsync` | `journal_fsync` (D-44) | `skycap_journal_fsync` |
+| `--record-mirror URL` | `record_mirror` | `skycap_record_mirror` |
+| `--record-mirror-config JSON` | `record_mirror_config` | `skycap_record_mirror_config` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
 | `--path-rule [NAME=]MODULE:FUNCTION` (repeat) | `path_rules` (name -> rule) | `skycap_path_rule` |
 | `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
@@ -36,13 +41,15 @@ surfaces are generated from the single `FLAGS` table below, so they cannot drift
 | `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
 | `--control-token-file PATH` | `control_token_file` | `skycap_control_token_file` |
 | `--no-control-token` | `no_control_token` | `skycap_no_control_token` |
+| `--proxy-allow RULE` (repeat; HOST or CIDR[:PORT]) | `proxy_allow` (D-43) | `skycap_proxy_allow` |
+| `--proxy-deny RULE` (repeat) | `proxy_deny` (D-43) | `skycap_proxy_deny` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
 | (none) | `advertise_host` | (none) |
 | (none) | `sweep_interval` (D-13) | (none) |
 
-The mirror, exposures, the harness listener and `processor_kwargs` are not built yet (D-3).
+Exposures, the harness listener and `processor_kwargs` are not built yet (D-3).
 """
 
 from __future__ import annotations
@@ -62,7 +69,9 @@ import orjson
 from skycap.certs import default_confdir
 from skycap.control_token import check_control_token, new_control_token
 from skycap.dialects.chat import REASONING_FIELDS
+from skycap.record.mirror import MirrorConfig, open_store
 from skycap.samples import BUILTIN_RULES, PathRule, build_rules, parse_rule_option
+from skycap.server.destinations import Rule, parse_rule
 
 MODES = ("text", "tokens")
 UPSTREAM_AUTH = ("bearer", "x-api-key")
@@ -109,11 +118,18 @@ class ServerOptions:
     sampling_mask: bool = False
     logprobs_mode: str = "processed_logprobs"
     use_raw_content: bool = False
+    keep_special_tokens: bool = False
+    generation_config: str | None = None
     reasoning_field: str = "both"
     upstream_auth: str | None = None
     model_api_hosts: tuple[str, ...] = MODEL_API_HOSTS
     record_dir: str | Path | None = None
     record_host: str | None = None
+    journal_fsync: bool = False
+    # A URL may carry user:password@ and the config storage_options credentials: never in
+    # a repr (logs, tracebacks); the mirror shows its URL redacted.
+    record_mirror: str | None = field(default=None, repr=False)
+    record_mirror_config: Mapping[str, Any] | None = field(default=None, repr=False)
     ttl: float = 3600.0
     path_rules: Mapping[str, PathRule | str] | None = None
     keep_unrecorded: bool = True
@@ -129,7 +145,12 @@ class ServerOptions:
     control_token: str | None = field(default=None, repr=False)
     control_token_file: str | Path | None = None
     no_control_token: bool = False
+    proxy_allow: tuple[str, ...] = ()
+    proxy_deny: tuple[str, ...] = ()
     rules: dict[str, PathRule] = field(init=False, repr=False, compare=False)
+    allow_rules: list[Rule] = field(init=False, repr=False, compare=False)
+    deny_rules: list[Rule] = field(init=False, repr=False, compare=False)
+    mirror_config: MirrorConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_mode()
@@ -149,6 +170,35 @@ class ServerOptions:
                 f"drop it or drop {_name('record_dir')}"
             )
         object.__setattr__(self, "rules", build_rules(self.path_rules))
+        for key, rules in (("proxy_allow", "allow_rules"), ("proxy_deny", "deny_rules")):
+            specs = getattr(self, key)
+            if isinstance(specs, str) or not all(isinstance(s, str) for s in specs):
+                raise ValueError(f"{_name(key)} must be a list of HOST|CIDR[:PORT] strings")
+            object.__setattr__(self, key, tuple(specs))
+            object.__setattr__(self, rules, [parse_rule(s, _FLAG_OF[key]) for s in specs])
+        object.__setattr__(self, "mirror_config", self._check_mirror())
+
+    def _check_mirror(self) -> MirrorConfig | None:
+        """The parsed mirror config; the URL is resolved now so a typo or a missing package
+        fails at start (ImportError naming the `remote` extra), not at the first finish."""
+        if self.record_mirror is None:
+            if self.record_mirror_config is not None:
+                raise ValueError(
+                    f"{_name('record_mirror_config')} configures the record mirror; it needs "
+                    f"{_name('record_mirror')}"
+                )
+            return None
+        if not isinstance(self.record_mirror, str) or not self.record_mirror:
+            raise ValueError(f"{_name('record_mirror')} must be a URL, got {self.record_mirror!r}")
+        if self.record_dir is None:
+            raise ValueError(
+                f"{_name('record_mirror')} copies records written to the record directory, but "
+                f"this server keeps records in memory only: give {_name('record_dir')} or drop "
+                f"{_name('record_mirror')}"
+            )
+        config = MirrorConfig.from_mapping(self.record_mirror_config)
+        open_store(self.record_mirror, config.storage_options)
+        return config
 
     def _check_mode(self) -> None:
         if self.mode not in MODES:
@@ -454,7 +504,12 @@ FLAGS: tuple[Flag, ...] = (
         convert=_json_object("--chat-template-kwargs"),
         metavar="JSON",
     ),
-    Flag("--model", "model", "model name sent to the engine and listed on /models"),
+    Flag(
+        "--model",
+        "model",
+        "model name sent to the engine and listed on /models (token mode default: the "
+        "engine's served name from its /v1/models)",
+    ),
     Flag(
         "--max-model-len",
         "max_model_len",
@@ -473,7 +528,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--logprobs-mode",
         "logprobs_mode",
-        "token mode: recorded in capture only (default processed_logprobs)",
+        "token mode: recorded in capture only (default processed_logprobs); must match "
+        "vLLM's own --logprobs-mode, whose default is raw_logprobs",
         metavar="MODE",
     ),
     Flag(
@@ -481,6 +537,20 @@ FLAGS: tuple[Flag, ...] = (
         "use_raw_content",
         "token mode: reply with the completion's raw decoded text",
         convert=None,
+    ),
+    Flag(
+        "--keep-special-tokens",
+        "keep_special_tokens",
+        "token mode: decode raw content and match stop strings with special tokens kept "
+        "(vLLM's skip_special_tokens=false; default: skipped, as vLLM does)",
+        convert=None,
+    ),
+    Flag(
+        "--generation-config",
+        "generation_config",
+        "token mode: sampling defaults for fields a request omits: auto (the tokenizer "
+        "folder's generation_config.json, if any; the default), none, or a file or folder",
+        metavar="auto|none|PATH",
     ),
     Flag(
         "--reasoning-field",
@@ -500,6 +570,28 @@ FLAGS: tuple[Flag, ...] = (
         "record_host",
         "record.host in finish replies (default: this machine's primary address)",
         metavar="ADDRESS",
+    ),
+    Flag(
+        "--journal-fsync",
+        "journal_fsync",
+        "fsync each crash-journal line before the answer (survives power loss, not only a "
+        "killed server; costs a disk flush per call)",
+        convert=None,
+    ),
+    Flag(
+        "--record-mirror",
+        "record_mirror",
+        "also copy every record, in the background, to this fsspec URL (s3://bucket/prefix, "
+        "gs://..., file:///...); needs the remote extra and --record-dir",
+        metavar="URL",
+    ),
+    Flag(
+        "--record-mirror-config",
+        "record_mirror_config",
+        "JSON object: exclude, workers, queue_size, timeout, attempts, backoff, "
+        "shutdown_timeout, storage_options (passed to fsspec)",
+        convert=_json_object("--record-mirror-config"),
+        metavar="JSON",
     ),
     Flag(
         "--ttl",
@@ -562,6 +654,24 @@ FLAGS: tuple[Flag, ...] = (
         convert=_number(int, "--proxy-port"),
         metavar="PORT",
         addon=False,
+    ),
+    Flag(
+        "--proxy-allow",
+        "proxy_allow",
+        "let pass-through reach this loopback or link-local host, address or network "
+        "(repeatable; the proxy refuses them by default)",
+        convert=tuple,
+        metavar="HOST|CIDR[:PORT]",
+        repeat=True,
+    ),
+    Flag(
+        "--proxy-deny",
+        "proxy_deny",
+        "refuse pass-through to this host, address or network too (repeatable; wins over "
+        "--proxy-allow)",
+        convert=tuple,
+        metavar="HOST|CIDR[:PORT]",
+        repeat=True,
     ),
     Flag(
         "--confdir",

@@ -19,7 +19,10 @@ other request to a model-API host (`--model-api-host`, D-38) is refused in the c
 error shape and never forwarded with the harness's key; everything else passes through
 unchanged (streamed both ways, never buffered). Refusals and pass-throughs are each an
 `info` line and a per-host count in /healthz. Passing through needs an open trajectory, so
-an ended trajectory's id, which is no secret, never turns skycap into an open relay.
+an ended trajectory's id, which is no secret, never turns skycap into an open relay; and it
+never reaches loopback or link-local addresses unless `--proxy-allow` says so (D-43,
+`destinations`). A tunnel that carries something other than HTTP (raw TCP) obeys the
+same two rules.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from mitmproxy import http
+from mitmproxy import http, tcp
 from mitmproxy.proxy.mode_specs import RegularMode
 
 from skycap.certs import CertAuthority
 from skycap.dialects import Dialect
 from skycap.dialects.chat import openai_error
+from skycap.server.destinations import Destinations
 from skycap.server.keys import basic_credentials, raw_header
 from skycap.server.store import Live, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
@@ -79,10 +83,15 @@ class Proxy:
     """Credentials, tunnels and pass-through counts for the proxy listener (one per server)."""
 
     def __init__(
-        self, store: TrajectoryStore, ca: CertAuthority, model_api_hosts: Sequence[str] = ()
+        self,
+        store: TrajectoryStore,
+        ca: CertAuthority,
+        destinations: Destinations,
+        model_api_hosts: Sequence[str] = (),
     ) -> None:
         self.store = store
         self.ca = ca
+        self.destinations = destinations
         self.model_api_hosts = tuple(model_api_hosts)
         self.refused: collections.Counter[str] = collections.Counter()
         self.port: int | None = None  # the bound port, known once the listener runs
@@ -90,7 +99,7 @@ class Proxy:
         self.passed_through: collections.Counter[str] = collections.Counter()
 
     @staticmethod
-    def serves(flow: http.HTTPFlow) -> bool:
+    def serves(flow: http.HTTPFlow | tcp.TCPFlow) -> bool:
         """Whether the flow came in on the proxy listener (not the control/harness one)."""
         return isinstance(flow.client_conn.proxy_mode, RegularMode)
 
@@ -167,15 +176,23 @@ class Proxy:
             403, dialect.error(403, message, "route_not_captured"), {"content-type": _JSON}
         )
 
-    def pass_through(self, flow: http.HTTPFlow, trajectory_id: str) -> None:
+    async def pass_through(self, flow: http.HTTPFlow, trajectory_id: str) -> None:
         """Stream a request the harness makes beside its model calls, unchanged; count its host.
 
-        An ended trajectory's proxy forwards nothing more: 410 `trajectory_closed`.
+        An ended trajectory's proxy forwards nothing more: 410 `trajectory_closed`; a
+        destination on this machine is 403 `destination_refused` (D-43).
         """
         live = self.store.get(trajectory_id)
         if live is None or not live.trajectory.is_open:
             flow.response = http.Response.make(
                 410, openai_error(410, CLOSED_PASS, "trajectory_closed"), {"content-type": _JSON}
+            )
+            return
+        refusal = await self.destinations.refusal(flow.request.host, flow.request.port)
+        if refusal is not None:
+            self.refused[flow.request.host] += 1
+            flow.response = http.Response.make(
+                403, openai_error(403, refusal, "destination_refused"), {"content-type": _JSON}
             )
             return
         live.touch()
@@ -187,6 +204,21 @@ class Proxy:
             trajectory_id,
         )
         flow.request.stream = True
+
+    async def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        """A tunnel that is not HTTP: relayed only for an open trajectory to an allowed host."""
+        trajectory_id = self._tunnels.get(flow.client_conn.id)
+        live = self.store.get(trajectory_id) if trajectory_id is not None else None
+        host, port = flow.server_conn.address or ("", 0)
+        if live is None or not live.trajectory.is_open:
+            flow.kill()
+            return
+        if await self.destinations.refusal(host, port) is not None:
+            self.refused[host] += 1
+            flow.kill()
+            return
+        live.touch()
+        self.passed_through[host] += 1
 
     # -- what the control routes report --------------------------------------------------------
 

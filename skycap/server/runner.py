@@ -143,6 +143,13 @@ async def serve(
         await (stop_event or asyncio.Event()).wait()
     finally:
         await server.servers.update([])
+        # D-44: trajectories close to calls, then keep-alive connections close, and only
+        # then (mitmproxy's `done` hook) are records written: nothing answered is missed.
+        for addon in addons or master.addons.chain:
+            close = getattr(addon, "close_to_calls", None)
+            if close is not None:
+                close()
+        await _close_connections(server)
         master.shutdown()
         await run
         await _close_connections(server)

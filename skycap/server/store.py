@@ -20,7 +20,9 @@ from typing import Any
 
 import orjson
 
+from skycap.record.journal import Journal, replay_journals
 from skycap.record.layout import KINDS, document_name, sidecar_name
+from skycap.record.mirror import RecordMirror
 from skycap.record.reader import (
     RecordError,
     document_path,
@@ -56,6 +58,14 @@ from skycap.wire import control_error
 logger = logging.getLogger("skycap.server")
 
 UNKNOWN = "unknown trajectory"
+# Why a trajectory in memory takes no more calls though its status is unchanged (D-44).
+SHUTTING_DOWN = "the capture server is shutting down; this call was not made"
+REPLAYED = (
+    "trajectory was rebuilt from the crash journal after the server stopped; it takes no "
+    "more calls, finish it with POST /trajectories/{id}/finish"
+)
+# How often records that could not be written are tried again (D-44).
+RETRY_INTERVAL = 5.0
 # How many ended trajectories' context_length_exceeded flags a server remembers (ids only).
 CONTEXT_EXCEEDED_KEPT = 100_000
 Release = Callable[[str], Awaitable[None]]
@@ -75,6 +85,7 @@ class Live:
         "last_call",
         "calls",
         "unwritten",
+        "closed",
         "__weakref__",
     )
 
@@ -89,6 +100,8 @@ class Live:
         self.last_call: dict[str, Any] | None = None
         self.calls = sum(len(node.calls) for node in trajectory.graph)
         self.unwritten = False
+        # Why it takes no more calls while its status stays as it is (D-44), else None.
+        self.closed: str | None = None
 
     @property
     def id(self) -> str:
@@ -143,7 +156,25 @@ class TrajectoryStore:
         self._context_exceeded: dict[str, None] = {}
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._sweeper: asyncio.Task[None] | None = None
+        self._retrier: asyncio.Task[None] | None = None
         self._record_host: str | None = None
+        self.journal: Journal | None = None
+        if self.record_dir is not None:
+            try:
+                self.journal = Journal(self.record_dir, fsync=options.journal_fsync)
+            except OSError as exc:  # serve anyway: records are still written at the end
+                logger.error(
+                    "the crash journal cannot be kept in %s: %s; a killed server would lose "
+                    "its open trajectories",
+                    self.record_dir,
+                    exc,
+                )
+        self.closing = False
+        # Trajectories whose record could not be written by the end of shutdown (D-44).
+        self.lost: list[str] = []
+        self.mirror: RecordMirror | None = None
+        if options.record_mirror is not None:
+            self.mirror = RecordMirror(options.record_mirror, options.mirror_config)
         self.calls_total = 0
         self.tokens_total = 0
         self.failures_total = 0
@@ -155,6 +186,18 @@ class TrajectoryStore:
         trajectory = Trajectory(trajectory_id, capture=self.capture, meta=meta)
         live = Live(trajectory, new_api_key(), self._lock_for(trajectory_id))
         self._live[trajectory_id] = live
+        if self.closing:
+            live.closed = SHUTTING_DOWN
+        if self.journal is not None:
+            try:
+                self.journal.open(trajectory)
+            except (OSError, ValueError) as exc:  # its first call tries again
+                logger.error(
+                    "the crash journal of %s cannot be started in %s: %s",
+                    trajectory_id,
+                    self.journal.directory,
+                    exc,
+                )
         return live
 
     def get(self, trajectory_id: str) -> Live | None:
@@ -205,6 +248,23 @@ class TrajectoryStore:
             "latency_ms": round((call["t_end"] - call["t_start"]) * 1000.0, 3),
             "finish_reason": call.get("finish_reason"),
         }
+        if self.journal is not None:
+            # Before the answer leaves (D-44): a killed server still has this call.
+            failing = self.journal.broken(live.id)
+            try:
+                self.journal.append(live.trajectory, live.calls)
+            except (OSError, TypeError, ValueError) as exc:
+                # Once per outage: a full disk would otherwise log every call.
+                (logger.debug if failing else logger.error)(
+                    "the crash journal of %s in %s cannot be written: %s; the call is "
+                    "answered, and the journal is rewritten whole once it can be",
+                    live.id,
+                    self.journal.directory,
+                    exc,
+                )
+            else:
+                if failing:
+                    logger.warning("the crash journal of %s is written again", live.id)
 
     def note_failure(self, live: Live, status: int | None, error: str) -> None:
         """Append a failure while the trajectory is open (a sealed one records none)."""
@@ -246,6 +306,13 @@ class TrajectoryStore:
         paths: str | None,
     ) -> Answer:
         recorded = trajectory.samples
+        if recorded is not None:
+            try:
+                rows_from_samples_field(trajectory.graph, recorded)
+            except (ValueError, AttributeError) as exc:  # a damaged record (issue 17)
+                return Answer.error(
+                    500, f"the record of {trajectory.id} cannot be read: {exc}", "record_error"
+                )
         if recorded is not None and paths is not None and paths != recorded.get("paths"):
             return Answer.error(
                 409, f"trajectory already finished with paths='{recorded.get('paths')}'"
@@ -263,10 +330,14 @@ class TrajectoryStore:
             trajectory.ended = True
             await self._release_engine(trajectory.id)
         changed = ended_now or sampled_now or trajectory.annotations != before
-        record = await self._settle(trajectory, live, changed, keep=failure is not None)
-        if failure is not None:
-            return Answer.error(500, str(failure), "path_rule_failed")
-        return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        try:
+            record = await self._settle(trajectory, live, changed, keep=failure is not None)
+            if failure is not None:
+                return Answer.error(500, str(failure), "path_rule_failed")
+            return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
+        finally:
+            if self.mirror is not None:  # the copy starts once the answer is built
+                self.mirror.release(trajectory.id)
 
     def _rows(
         self, trajectory: Trajectory, paths: str | None
@@ -294,7 +365,7 @@ class TrajectoryStore:
             return None
         if not changed and not (live is not None and live.unwritten):
             return self._location(trajectory.id) if live is None else None
-        files = await self._write(trajectory)
+        files = await self._write(trajectory, hold=True)
         if files is None:
             if live is None:
                 live = self._adopt(trajectory)
@@ -333,22 +404,42 @@ class TrajectoryStore:
 
     # -- records -------------------------------------------------------------------------------
 
-    async def _write(self, trajectory: Trajectory) -> list[str] | None:
-        """Write off the event loop; None (logged) when the write failed."""
+    async def _write(
+        self, trajectory: Trajectory, *, hold: bool = False, retry: bool = False
+    ) -> list[str] | None:
+        """Write off the event loop, then drop its journal; None (logged) when it failed.
+        With `hold`, the mirror's copy waits for `mirror.release` (a finish's answer).
+
+        A failed write is an error (D-44): the trajectory stays in memory, `/healthz`
+        answers 503 and the write is retried; a retry's failure is logged at debug only.
+        """
         assert self.record_dir is not None
         try:
-            return await asyncio.to_thread(
-                write_record, trajectory, self.record_dir, decode_spans=self._decode_spans
-            )
+            files = await asyncio.to_thread(self._write_files, trajectory, hold)
         except Exception as exc:  # a failed write keeps the trajectory in memory for a retry
-            logger.warning(
-                "writing the record of %s into %s failed: %s: %s",
+            (logger.debug if retry else logger.error)(
+                "the record of %s cannot be written to %s: %s: %s; kept in memory and "
+                "retried every %g s",
                 trajectory.id,
-                self.record_dir,
+                document_path(self.record_dir, trajectory.id),
                 type(exc).__name__,
                 exc,
+                RETRY_INTERVAL,
             )
             return None
+        if retry:
+            logger.warning("the record of %s was written on a retry", trajectory.id)
+        if self.journal is not None:
+            self.journal.remove(trajectory.id)
+        return files
+
+    def _write_files(self, trajectory: Trajectory, hold: bool) -> list[str]:
+        """The local atomic write, then (fail-open) the mirror's copy of exactly those files."""
+        assert self.record_dir is not None
+        files = write_record(trajectory, self.record_dir, decode_spans=self._decode_spans)
+        if self.mirror is not None:
+            self.mirror.submit(self.record_dir, trajectory.id, files, hold=hold)
+        return files
 
     async def _load(self, trajectory_id: str) -> Trajectory | Answer:
         if not self.on_disk(trajectory_id):
@@ -366,12 +457,17 @@ class TrajectoryStore:
             names = [sidecar_name(trajectory_id, kind) for kind in KINDS]
             files = [n for n in names if (self.record_dir / n).is_file()]
             files.append(document_name(trajectory_id))
-        return {
+        location = {
             "host": self.record_host(),
             "path": str(self.record_dir / document_name(trajectory_id)),
             "mirror": None,
             "files": files,
+            "mirror_state": None,
+            "mirror_error": None,
         }
+        if self.mirror is not None:
+            location.update(self.mirror.location(trajectory_id, files))
+        return location
 
     def record_host(self) -> str:
         """`--record-host`, else a non-loopback advertise host, else the primary address."""
@@ -402,6 +498,16 @@ class TrajectoryStore:
         except (RecordError, OSError) as exc:
             return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
 
+    def record_location(self, trajectory_id: str) -> Answer:
+        """`GET /trajectories/{id}/record`: where the record is and its mirror copy's state
+        now (the finish answer's `record` object, which is taken at finish time)."""
+        if not self.on_disk(trajectory_id):
+            live = self._live.get(trajectory_id)
+            if live is not None:
+                return Answer.error(404, f"trajectory {trajectory_id} has no record yet")
+            return Answer.error(404, UNKNOWN)
+        return Answer.json(200, self._location(trajectory_id))
+
     def listing(self) -> list[dict[str, Any]]:
         """The live trajectories, newest first, with the fields of D-7."""
         now = time.time()
@@ -429,22 +535,76 @@ class TrajectoryStore:
             )
         return rows
 
+    def unwritten(self) -> list[str]:
+        """Ids of trajectories whose record could not be written yet (D-44)."""
+        return [live.id for live in self._live.values() if live.unwritten]
+
     def health(self) -> dict[str, Any]:
-        return {
-            "ok": True,
+        unwritten = self.unwritten()
+        health = {
+            "ok": not unwritten,
+            "unwritten_records": unwritten,
             "open_trajectories": sum(1 for x in self._live.values() if x.trajectory.status == OPEN),
             "capture": self.capture,
             "calls_total": self.calls_total,
             "tokens_total": self.tokens_total,
             "failures_total": self.failures_total,
         }
+        if self.mirror is not None:
+            health["record_mirror"] = self.mirror.health()
+        return health
 
     # -- TTL and shutdown (http.md §6) -----------------------------------------------------------
 
     def start(self) -> None:
-        """Start the idle sweep (only with a record directory: nothing expires without one)."""
+        """Start the idle sweep and the write retries (only with a record directory:
+        nothing expires or is written without one)."""
         if self.record_dir is not None and self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.create_task(self._sweep_forever())
+            self._retrier = loop.create_task(self._retry_forever())
+
+    def recover(self) -> None:
+        """Replay the crash journals of servers that stopped without writing (D-44).
+
+        Each comes back as a record written `ended: false`, which can be finished and takes
+        no calls; one that cannot be written stays in memory, closed, and is retried. It
+        runs on the loop, blocking it, at start: a call or finish that arrives meanwhile
+        waits and then finds the record, rather than a 404.
+        """
+        if self.record_dir is None:
+            return
+        record_dir = self.record_dir
+
+        def write(trajectory: Trajectory) -> None:
+            write_record(trajectory, record_dir, decode_spans=self._decode_spans)
+
+        replayed = replay_journals(record_dir, write)
+        for trajectory in replayed.unwritten:
+            live = self._adopt(trajectory)
+            live.unwritten = True
+            live.closed = REPLAYED.format(id=trajectory.id)
+
+    async def _retry_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(RETRY_INTERVAL, self.options.sweep_interval))
+            try:
+                await self.retry_unwritten()
+            except Exception:  # the retries must outlive one bad trajectory
+                logger.exception("retrying unwritten records failed")
+
+    async def retry_unwritten(self) -> None:
+        """Try again to write each record that could not be written (D-44)."""
+        for live in list(self._live.values()):
+            if not live.unwritten:
+                continue
+            async with live.lock:
+                if not live.unwritten or self._live.get(live.id) is not live:
+                    continue
+                if await self._write(live.trajectory, retry=True) is not None:
+                    live.unwritten = False
+                    if live.trajectory.ended or live.closed is not None:
+                        self._forget(live.trajectory)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -478,14 +638,45 @@ class TrajectoryStore:
             self._forget(trajectory)
         logger.info("trajectory %s ended by the idle TTL as %s", trajectory.id, trajectory.status)
 
+    def close_to_calls(self) -> None:
+        """The first step of a shutdown (D-44): every trajectory takes no more calls (they
+        get 503) with its status unchanged, and calls in flight are cancelled, so nothing
+        is answered that its record would not hold."""
+        self.closing = True
+        for live in self._live.values():
+            if live.closed is None:
+                live.closed = SHUTTING_DOWN
+            live.cancel_inflight()
+
     async def shutdown(self) -> None:
-        """Stop the sweep, then write every trajectory still in memory as it stands."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        """Stop the sweep, close every trajectory to calls, then write each as it stands.
+
+        Records still unwritten afterwards are listed in `lost` (their crash journals stay
+        behind for the next start to replay).
+        """
+        for task in (self._sweeper, self._retrier):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sweeper = self._retrier = None
+        self.close_to_calls()
         await asyncio.gather(*(self._shutdown_one(live) for live in list(self._live.values())))
+        if self.mirror is not None:  # waits at most shutdown_timeout, then reports the rest
+            await asyncio.to_thread(self.mirror.close)
+        if self.record_dir is not None:
+            self.lost = self.unwritten()
+            if self.lost:
+                logger.error(
+                    "%d records could not be written to %s and are lost from this process "
+                    "(their crash journals stay in %s for the next start): %s",
+                    len(self.lost),
+                    self.record_dir,
+                    self.journal.directory if self.journal is not None else "-",
+                    ", ".join(self.lost),
+                )
+        if self.journal is not None:
+            self.journal.close()
 
     async def _shutdown_one(self, live: Live) -> None:
         async with live.lock:
@@ -494,8 +685,13 @@ class TrajectoryStore:
             live.cancel_inflight()
             if not live.trajectory.ended:
                 await self._release_engine(live.id)
-            if self.record_dir is not None and await self._write(live.trajectory) is not None:
+            if self.record_dir is None:
+                return
+            if await self._write(live.trajectory) is not None:
+                live.unwritten = False
                 self._forget(live.trajectory)
+            else:
+                live.unwritten = True
 
 
 SHUTDOWN_FAILURE = "the server shut down before the call's reply arrived"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from typing import Any
 
 import orjson
@@ -46,6 +47,9 @@ _DROPPED = frozenset(
     }
 )
 _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
+#: Set on a flow whose harness asked for `Connection: close`: its answer says so and the
+#: connection closes after it (the header itself is hop-by-hop and not forwarded).
+CLOSE_AFTER = "skycap.close_after"
 _EVENT_STREAM = "text/event-stream"
 ANTHROPIC_HOST = "api.anthropic.com"
 #: Response headers that describe one transfer, not the reply: rebuilt for the harness.
@@ -91,6 +95,10 @@ class TextMode:
             dropped, added = _DROPPED, self._added
         else:
             dropped, added = _DROPPED_KEEP_HOST, self._auth(flow.request.host)
+        if any(
+            k.lower() == b"connection" and b"close" in v.lower() for k, v in data.headers.fields
+        ):
+            flow.metadata[CLOSE_AFTER] = True
         kept = tuple(f for f in data.headers.fields if f[0].lower() not in dropped)
         body = data.content
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
@@ -145,12 +153,16 @@ class TextCall:
 
     The task outlives the harness: a reply is read to its end and committed whether or not
     anyone still waits for it, so a retry finds it in the retry cache. Only sealing the
-    trajectory (`cancel`), `--upstream-timeout` and shutdown stop it.
+    trajectory (`cancel`), `--upstream-timeout` and shutdown stop it. The flow holds the
+    call (its metadata); the call holds the flow only weakly, so no reference cycle keeps
+    a large request alive after the call until the garbage collector runs.
     """
 
     __slots__ = (
         "mode",
-        "flow",
+        "_flow",
+        "client_conn",
+        "relay_path",
         "live",
         "request",
         "entry",
@@ -175,7 +187,9 @@ class TextCall:
         dialect: Dialect,
     ) -> None:
         self.mode = mode
-        self.flow = flow
+        self._flow = weakref.ref(flow)
+        self.client_conn = flow.client_conn
+        self.relay_path = b""
         self.live = live
         self.request = request
         self.entry = entry
@@ -191,7 +205,7 @@ class TextCall:
         self.gone = False
         live.inflight[self] = self.cancel
         live.touch()
-        self.task = asyncio.ensure_future(self._run())
+        self.task = asyncio.ensure_future(self._run(flow.request))
         mode.tasks.add(self.task)
         self.task.add_done_callback(mode.tasks.discard)
 
@@ -208,24 +222,27 @@ class TextCall:
                 self.gone = True  # the hook itself was cancelled: the task goes on
                 raise
             outcome = None
+        flow = self._flow()
+        if flow is None:
+            return
         if outcome is None:
-            if self.flow.killable:
-                self.flow.kill()
+            if flow.killable:
+                flow.kill()
         elif isinstance(outcome, bytes):
-            data = self.flow.request.data
+            data = flow.request.data
             data.scheme, data.host, data.port = b"http", "127.0.0.1", self.mode.relay.port
             data.path = outcome
             data.content = b""
             data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"))
         else:
-            self.flow.response = outcome
+            flow.response = outcome
 
     def harness_left(self) -> None:
         """mitmproxy gave up on the flow (the harness disconnected): stop relaying to it."""
         if not self.gone:
             self.gone = True
             if self.stream is not None:
-                self.mode.relay.forget(self.flow.request.data.path)
+                self.mode.relay.forget(self.relay_path)
 
     # -- outcome -----------------------------------------------------------------------------
 
@@ -235,6 +252,7 @@ class TextCall:
         self.entry.settle(replay)
         self.live.inflight.pop(self, None)
         self.live.touch()
+        self.body = {}
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
@@ -246,8 +264,8 @@ class TextCall:
             self.ready.set_result(None)
         elif self.stream is not None:
             self.stream.chunks.put_nowait(BROKEN)
-        else:
-            self.mode.conns.drop(self.flow)
+        elif (flow := self._flow()) is not None:
+            self.mode.conns.drop(flow)
 
     def _answer(self, response: http.Response | bytes | None) -> None:
         if not self.ready.done():
@@ -258,9 +276,9 @@ class TextCall:
 
     def _harness_saw_end(self) -> bool:
         """Whether the harness is still there to receive the reply's end."""
-        if self.gone or self.flow.client_conn.timestamp_end is not None:
+        if self.gone or self.client_conn.timestamp_end is not None:
             return False
-        return bool(self.flow.client_conn.state & ConnectionState.CAN_WRITE)
+        return bool(self.client_conn.state & ConnectionState.CAN_WRITE)
 
     def _commit(self, reply: dict[str, Any], finish_reason: Any, usage: Any, saw_end: bool) -> bool:
         call = {
@@ -287,10 +305,11 @@ class TextCall:
 
     # -- the exchange ----------------------------------------------------------------------------
 
-    async def _run(self) -> None:
+    async def _run(self, request: http.Request) -> None:
         exchange: Exchange | None = None
         try:
-            exchange = await self.mode.client.send(self.flow.request)
+            exchange = await self.mode.client.send(request)
+            del request  # written: the flow may go
             head = exchange.response
             if (
                 self.request.stream
@@ -365,7 +384,8 @@ class TextCall:
         fields = [f for f in exchange.response.headers.fields if f[0].lower() != b"cache-control"]
         fields.append((b"cache-control", b"no-cache"))
         self.stream = Stream(200, fields)
-        self._answer(self.mode.relay.register(self.stream))
+        self.relay_path = self.mode.relay.register(self.stream)
+        self._answer(self.relay_path)
         assembler = self.dialect.assembler()
         chunks = exchange.chunks()
         async for chunk in chunks:
@@ -408,6 +428,7 @@ class TextCall:
             committed = self._commit(message, finish_reason, assembler.usage, saw_end)
             if committed and not saw_end:
                 replay = Replay.of(200, fields, b"".join(self.body))
+        self.body = []
         self._end(replay)
         for chunk in self.held:
             self._send(chunk)

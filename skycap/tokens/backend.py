@@ -4,13 +4,12 @@ The server routes and gates requests (http.md §3) and hands a call read by its 
 (skycap.dialects) here; everything after that, including the per-trajectory turn lock,
 happens in `call`, and the answer is written in the call's dialect. Renderer
 work (plan, reply parsing, decoding) runs on the renderer pool's worker threads, never on
-the event loop.
+the event loop; the HTTP calls to the engine are skycap.tokens.client's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,7 @@ from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.chat import REASONING_FIELDS
 from skycap.graph import Graph
 from skycap.hashing import model_key, tools_hash
+from skycap.tokens.client import CONNECT_TIMEOUT, EngineClient, engine_status_message
 from skycap.tokens.commit import CommitError, commit_turn
 from skycap.tokens.engine import (
     EngineError,
@@ -32,18 +32,24 @@ from skycap.tokens.engine import (
     VLLMEngine,
     merge_sampling,
 )
+from skycap.tokens.models import ServedModel
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
-from skycap.tokens.renderer import LibraryRenderer, Renderer, RendererPool, RenderError
+from skycap.tokens.renderer import Renderer, RenderError, renderer_pool
 from skycap.tokens.reply import answered_message, finish_reason, reply_message
+from skycap.tokens.sampling import (
+    SamplingError,
+    check_mask_constraints,
+    check_overrides,
+    generation_folders,
+    load_generation_config,
+    stop_strings,
+    validate_cache_salt,
+    validate_sampling,
+)
+from skycap.tokens.stops import StopMatch, apply_stop, strip_stop
 from skycap.trajectory import FAILED, Trajectory
 
-log = logging.getLogger(__name__)
-
-CONNECT_TIMEOUT = 30.0
-RELEASE_TIMEOUT = 10.0
 ENGINE_ERROR_BODY_LIMIT = 2000
-#: Characters of an engine's error body quoted in the harness's 502/5xx message.
-ENGINE_EXCERPT_LIMIT = 300
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 #: Token ids below this share one int object each in the lists kept between turns (D-27);
 #: the table grows to the largest id seen, at most 2**18 entries (~10 MB), once per process.
@@ -66,9 +72,13 @@ OPTION_NAMES = (
     "sampling_mask",
     "logprobs_mode",
     "use_raw_content",
+    "keep_special_tokens",
+    "generation_config",
     "reasoning_field",
     "upstream_timeout",
 )
+#: The flag a vLLM server needs for sampling masks (config/model.py `return_sampling_mask`).
+MASK_FLAG = "--return-sampling-mask"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +132,8 @@ class TokenBackend:
         sampling_mask: bool = False,
         logprobs_mode: str = "processed_logprobs",
         use_raw_content: bool = False,
+        keep_special_tokens: bool = False,
+        generation_config: str | None = None,
         reasoning_field: str = "both",
         upstream_timeout: float | None = None,
     ) -> None:
@@ -134,9 +146,9 @@ class TokenBackend:
                 f"sampling_overrides must be a mapping, got {type(sampling_overrides).__name__}"
             )
         self.upstream_url = upstream_url.rstrip("/")
-        self.api_key = api_key
         self.engine = engine or VLLMEngine()
-        self.model = model or None
+        self.client = EngineClient(self.upstream_url, api_key, self.engine, upstream_timeout)
+        self.served = ServedModel(model or None)
         self.max_model_len = max_model_len
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(
@@ -148,13 +160,16 @@ class TokenBackend:
         self.sampling_mask = sampling_mask
         self.logprobs_mode = logprobs_mode
         self.use_raw_content = use_raw_content
-        self.upstream_timeout = upstream_timeout
-        self._pool = _renderer_pool(
+        self.keep_special_tokens = keep_special_tokens
+        check_overrides(self.sampling_overrides, sampling_mask)
+        self.generation_defaults, self.generation_source = load_generation_config(
+            generation_config, generation_folders(tokenizer)
+        )
+        self._pool = renderer_pool(
             tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
         )
         self._stop_token_ids = list(self._pool.primary.stop_token_ids)
         self._states: dict[str, _TrajectoryState] = {}
-        self._client: httpx.AsyncClient | None = None
 
     @classmethod
     def from_options(cls, options: Any) -> TokenBackend:
@@ -174,6 +189,19 @@ class TokenBackend:
             "sampling_overrides": self.sampling_overrides,
             "use_raw_content": self.use_raw_content,
         }
+
+    @property
+    def model(self) -> str | None:
+        """The served model name (`--model`, or learned from the engine), once known."""
+        return self.served.name
+
+    async def start(self) -> None:
+        """Learn the served model name from the engine's `/v1/models` (D-41), briefly.
+
+        Retries with backoff for a few seconds here; if the engine is not up yet, keeps
+        retrying in the background, and the first call asks again.
+        """
+        await self.served.start(self._list_models)
 
     # -- a harness call -------------------------------------------------------------------
 
@@ -201,21 +229,26 @@ class TokenBackend:
     ) -> Reply:
         t_start = time.time()
         tools = request.tools
-        model = self.model or model_key(request.model)
+        served = await self.served.on_call(self._list_models)
+        model = served or model_key(request.model)
         plan = await self._plan(
             trajectory, request.messages, tools, model, state.last_turn, dialect
         )
         room = self._check_limits(trajectory, request, len(plan.prompt_ids), dialect)
-        sampling, engine_request = self._engine_request(request, plan, room, model, dialect)
+        sampling, engine_request = self._engine_request(request, plan, room, served, dialect)
         output = await self._generate(trajectory, engine_request, plan.routes_from, dialect)
-        stored = await self._reply_message(trajectory, plan, output, tools, dialect)
+        self._check_mask(trajectory, output, dialect)
+        stop = await self._apply_stop(output, sampling, plan)
+        stored = await self._reply_message(trajectory, plan, output, tools, stop, dialect)
         stored = dialect.issue(stored, output.completion_ids)
-        reason = finish_reason(output.finish_reason, stored)
+        reason = "stop" if stop else finish_reason(output.finish_reason, stored)
+        if reason == "tool_calls" and _names_a_tool(request.body.get("tool_choice")):
+            reason = "stop"  # OpenAI and vLLM answer a forced named tool with "stop"
         requested = request.model if isinstance(request.model, str) else None
         call = {
             "t_start": t_start,
             "t_end": time.time(),
-            "model": self.model or requested,
+            "model": served or requested,
             "sampling": {k: v for k, v in sampling.items() if k != "stop_token_ids"},
             "usage": {
                 "prompt_tokens": len(plan.prompt_ids),
@@ -223,34 +256,94 @@ class TokenBackend:
             },
             "finish_reason": reason,
             "dialect": dialect.name,
+            **_call_extras(request.body, output, stop),
         }
         status = self._commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
         answered = answered_message(
             stored, use_raw_content=self.use_raw_content, reasoning_field=self.reasoning_field
         )
-        reply = self._answer(request, dialect, plan, output, answered, reason, status)
+        data = ReplyData(
+            id=dialect.reply_id(),
+            created=int(time.time()),
+            model=self._answered_model(request),
+            message=answered,
+            finish_reason=reason,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(output.completion_ids),
+            request=request,
+            stop_sequence=None if stop is None else stop.stop,
+        )
+        reply = self._answer(request, dialect, data, status)
         committed = call if status == "ok" else None
         return Reply(reply.status, reply.headers, reply.body, reply.replayable, committed)
 
+    def _check_mask(self, trajectory: Trajectory, output: EngineOutput, dialect: Dialect) -> None:
+        """With `--sampling-mask`, a reply without masks means the engine lacks the flag."""
+        if self.sampling_mask and output.sampling_mask is None:
+            problem = (
+                "engine: sampling masks were asked for (--sampling-mask) but the engine "
+                f"returned none; start vLLM (0.33 or later) with {MASK_FLAG}, or drop "
+                "--sampling-mask"
+            )
+            trajectory.add_failure(None, problem)
+            raise _TurnFailed(_error(dialect, 502, problem))
+
+    async def _apply_stop(
+        self, output: EngineOutput, sampling: Mapping[str, Any], plan: Plan
+    ) -> StopMatch | None:
+        """Cut the completion at the first stop string (D-41), in place; the match or None.
+
+        Every dialect's stop strings arrive as the canonical `stop` (Chat Completions
+        `stop`, Anthropic `stop_sequences`).
+        """
+        stops = stop_strings(sampling)
+        if not stops:
+            return None
+        min_tokens = sampling.get("min_tokens") or 0
+        return await self._pool.run(
+            lambda r: apply_stop(
+                r,
+                output,
+                stops,
+                plan.prompt_ids,
+                min_tokens=min_tokens,
+                skip_special_tokens=not self.keep_special_tokens,
+            )
+        )
+
     def _engine_request(
-        self, request: Request, plan: Plan, room: int | None, model: str, dialect: Dialect
+        self, request: Request, plan: Plan, room: int | None, model: str | None, dialect: Dialect
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(merged sampling, engine request body) (http.md §9.3-9.4); bad values answer 400."""
+        """(effective sampling, engine request body) (http.md §9.3-9.4).
+
+        The model's generation defaults fill what the caller left out, then the overrides
+        win (D-41). What vLLM would refuse answers 400 naming the field.
+        """
+        caller = dict(request.sampling)
+        if "max_completion_tokens" in caller:
+            caller["max_tokens"] = caller.pop("max_completion_tokens")
+        cache_salt = request.extras.get("cache_salt")
         try:
+            validate_cache_salt(cache_salt)
             sampling = merge_sampling(
-                request.sampling,
+                {**self.generation_defaults, **caller},
                 self.sampling_overrides,
                 room=room,
                 stop_token_ids=self._stop_token_ids,
             )
+            validate_sampling(sampling)
+            if self.sampling_mask:
+                check_mask_constraints(sampling, "this request")
             engine_request = self.engine.request(
                 prompt_ids=plan.prompt_ids,
                 sampling=sampling,
-                model=model or None,
-                cache_salt=request.extras.get("cache_salt") or None,
+                model=model,
+                cache_salt=cache_salt,
                 sampling_mask=self.sampling_mask,
                 routes_from=plan.routes_from,
             )
+        except SamplingError as exc:
+            raise _TurnFailed(_error(dialect, 400, str(exc), param=exc.param)) from exc
         except ValueError as exc:
             raise _TurnFailed(_error(dialect, 400, str(exc))) from exc
         return sampling, engine_request
@@ -261,22 +354,28 @@ class TokenBackend:
         plan: Plan,
         output: EngineOutput,
         tools: list[Any] | None,
+        stop: StopMatch | None,
         dialect: Dialect,
     ) -> dict[str, Any]:
-        """The reply message to store; a completion the renderer cannot read is a 502."""
+        """The reply message to store; a completion the renderer cannot read is a 502.
+
+        After a stop string it is the message without it (what the harness will echo).
+        """
         try:
-            return await self._pool.run(
+            stored = await self._pool.run(
                 lambda r: reply_message(
                     r,
                     output.completion_ids,
                     tools,
                     plan.prompt_ids,
                     use_raw_content=self.use_raw_content,
+                    skip_special_tokens=not self.keep_special_tokens,
                 )
             )
         except RenderError as exc:
             trajectory.add_failure(None, f"engine: {exc}")
             raise _TurnFailed(_error(dialect, 502, f"engine: {exc}")) from exc
+        return stored if stop is None else strip_stop(stored, stop)
 
     async def _plan(
         self,
@@ -327,7 +426,7 @@ class TokenBackend:
     ) -> EngineOutput:
         """Call the engine and read its reply; failures are recorded and answered 502/5xx (D-14)."""
         try:
-            status, content = await self._post_engine(trajectory.id, orjson.dumps(request))
+            status, content = await self.client.generate(trajectory.id, orjson.dumps(request))
             if status != 200:
                 text = content[:ENGINE_ERROR_BODY_LIMIT].decode("utf-8", "replace")
                 trajectory.add_failure(status, text)
@@ -344,20 +443,6 @@ class TokenBackend:
             problem = f"engine: {exc}"
             trajectory.add_failure(None, problem)
             raise _TurnFailed(_error(dialect, 502, problem)) from exc
-
-    async def _post_engine(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
-        """POST the generate request: (status, body); transport failures raise EngineError."""
-        url = self.upstream_url + self.engine.generate_path
-        headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
-        try:
-            response = await self._http().post(url, content=payload, headers=headers)
-        except httpx.ConnectTimeout as exc:
-            raise EngineError(f"could not connect to {url} within {CONNECT_TIMEOUT:g} s") from exc
-        except httpx.TimeoutException as exc:
-            raise EngineError(f"timed out after {self.upstream_timeout:g} s") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{type(exc).__name__} calling {url}: {exc}") from exc
-        return response.status_code, response.content
 
     def _commit(
         self,
@@ -396,33 +481,18 @@ class TokenBackend:
         state.last_turn = _turn_lists(trajectory.graph, node.id, plan, output, state.last_turn)
         return "ok"
 
-    def _answer(
-        self,
-        request: Request,
-        dialect: Dialect,
-        plan: Plan,
-        output: EngineOutput,
-        message: dict[str, Any],
-        reason: str,
-        status: str,
-    ) -> Reply:
+    def _answered_model(self, request: Request) -> str:
         requested = request.model
-        reply = ReplyData(
-            id=dialect.reply_id(),
-            created=int(time.time()),
-            model=requested if isinstance(requested, str) and requested else self.model or "",
-            message=message,
-            finish_reason=reason,
-            prompt_tokens=len(plan.prompt_ids),
-            completion_tokens=len(output.completion_ids),
-        )
+        return requested if isinstance(requested, str) and requested else self.model or ""
+
+    def _answer(self, request: Request, dialect: Dialect, data: ReplyData, status: str) -> Reply:
         headers = {"x-skycap-status": status}
         if request.stream:
             headers |= {"content-type": "text/event-stream", "cache-control": "no-cache"}
-            payload = dialect.reply_sse(reply)
+            payload = dialect.reply_sse(data)
         else:
             headers["content-type"] = "application/json"
-            payload = dialect.reply_json(reply)
+            payload = dialect.reply_json(data)
         return Reply(200, headers, payload, replayable=status == "ok")
 
     # -- other routes and lifecycle -------------------------------------------------------
@@ -443,38 +513,28 @@ class TokenBackend:
                 "data": [{"id": self.model, "object": "model", "owned_by": "skycap"}],
             }
             return Reply(200, {"content-type": "application/json"}, orjson.dumps(listing))
-        url = self.upstream_url + "/v1/models"
         try:
-            response = await self._http().get(url, headers=self._auth())
+            response = await self.client.models()
         except httpx.HTTPError as exc:
+            url = self.client.models_url
             return _error(CHAT, 502, f"engine: {type(exc).__name__} calling {url}: {exc}")
         content_type = response.headers.get("content-type", "application/json")
         return Reply(response.status_code, {"content-type": content_type}, response.content)
 
+    async def _list_models(self) -> tuple[int, bytes]:
+        """GET the engine's `/v1/models`: (status, body); transport failures raise httpx errors."""
+        response = await self.client.models(timeout=CONNECT_TIMEOUT)
+        return response.status_code, response.content
+
     async def release(self, trajectory_id: str) -> None:
         """Drop the trajectory's turn state and release the engine's (best effort, http.md §11)."""
         self._states.pop(trajectory_id, None)
-        if not self.engine.release_path:
-            return
-        url = self.upstream_url + self.engine.release_path
-        try:
-            response = await self._http().post(
-                url,
-                params={"session_id": trajectory_id},
-                headers=self._auth(),
-                timeout=RELEASE_TIMEOUT,
-            )
-        except httpx.HTTPError as exc:
-            log.info("engine release of %s failed: %s: %s", trajectory_id, type(exc).__name__, exc)
-            return
-        if response.status_code >= 400:
-            log.info("engine release of %s answered HTTP %s", trajectory_id, response.status_code)
+        await self.client.release(trajectory_id)
 
     async def close(self) -> None:
         """Close the HTTP client and stop the renderer threads (off the event loop)."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.served.close()
+        await self.client.close()
         await asyncio.to_thread(self._pool.close)
 
     def decode_spans(self, token_ids: Any, context: Any = ()) -> tuple[bytes, list[int]]:
@@ -484,23 +544,6 @@ class TokenBackend:
         slot like any other renderer work.
         """
         return self._pool.call(lambda r: r.decode_spans(token_ids, context))
-
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def _http(self) -> httpx.AsyncClient:
-        """One client per backend, made on first use (so on the serving event loop)."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    connect=CONNECT_TIMEOUT,
-                    read=self.upstream_timeout,
-                    write=self.upstream_timeout,
-                    pool=None,
-                ),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            )
-        return self._client
 
 
 def _turn_lists(
@@ -539,56 +582,41 @@ def _interned(ids: Sequence[int], start: int) -> list[int]:
     return ids[:start] + [shared[t] if type(t) is int and 0 <= t < size else t for t in tail]
 
 
-def engine_status_message(status: int, body: str) -> str:
-    """`engine returned HTTP <N>: <excerpt>` for the harness, so the cause is visible where
-    the call failed (a 404 from a wrong --upstream-url, an engine's validation error).
-
-    The excerpt is the body with whitespace collapsed, cut to ENGINE_EXCERPT_LIMIT
-    characters; the failure entry keeps the body itself (http.md §9.8).
-    """
-    excerpt = " ".join(body.split())
-    if len(excerpt) > ENGINE_EXCERPT_LIMIT:
-        excerpt = excerpt[: ENGINE_EXCERPT_LIMIT - 1] + "…"
-    message = f"engine returned HTTP {status}"
-    return f"{message}: {excerpt}" if excerpt else message
-
-
 def _too_long(trajectory: Trajectory, dialect: Dialect, message: str) -> _TurnFailed:
     """A `context_length_exceeded` refusal, remembered for the finish answer (http.md §2.3)."""
     trajectory.context_length_exceeded = True
     return _TurnFailed(_error(dialect, 400, message, CONTEXT_LENGTH_EXCEEDED))
 
 
-def _error(dialect: Dialect, status: int, message: str, code: str | None = None) -> Reply:
-    """A refusal or failure in the caller's dialect (D-36)."""
-    return Reply(status, {"content-type": "application/json"}, dialect.error(status, message, code))
+def _error(
+    dialect: Dialect,
+    status: int,
+    message: str,
+    code: str | None = None,
+    *,
+    param: str | None = None,
+) -> Reply:
+    """A refusal or failure in the caller's dialect (D-36); `param` names the field at fault."""
+    body = dialect.error(status, message, code, param)
+    return Reply(status, {"content-type": "application/json"}, body)
 
 
-def _renderer_pool(
-    tokenizer: str | None,
-    renderer: Renderer | None,
-    renderer_name: str | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-    size: int,
-) -> RendererPool:
-    """The default library renderer pool, or a ready renderer in a one-slot pool."""
-    if isinstance(renderer, str):
-        raise ValueError(
-            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
-            "name as renderer_name= (--renderer)"
-        )
-    if (tokenizer is None) == (renderer is None):
-        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
-    if renderer is not None:
-        if renderer_name is not None or chat_template_kwargs is not None:
-            raise ValueError(
-                "renderer_name and chat_template_kwargs configure the default renderer; "
-                "they cannot be combined with a ready renderer="
-            )
-        return RendererPool(lambda: renderer, 1)
-    return RendererPool(
-        lambda: LibraryRenderer(
-            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
-        ),
-        size,
-    )
+def _names_a_tool(tool_choice: Any) -> bool:
+    return isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)
+
+
+def _call_extras(
+    body: Mapping[str, Any], output: EngineOutput, stop: StopMatch | None
+) -> dict[str, Any]:
+    """The call fields recorded only when they apply (D-41)."""
+    extras: dict[str, Any] = {}
+    if stop is not None:
+        extras["stop_string"] = stop.stop
+    missing = output.missing_logprobs
+    if missing:
+        extras["missing_logprobs"] = missing
+    if output.engine_finish_reason is not None:
+        extras["engine_finish_reason"] = output.engine_finish_reason
+    if body.get("tool_choice") is not None:
+        extras["tool_choice"] = body["tool_choice"]  # recorded, not enforced (D-41)
+    return extras

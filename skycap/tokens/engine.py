@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,17 @@ import numpy as np
 from skycap.arrays import PackedArrayError, unpack
 
 EXPERT_DTYPES = ("uint8", "uint16")
+#: Older vLLM builds (and some >256-expert models) send int32 rows; they are narrowed to
+#: uint16 when every id fits, which is lossless and the same dtype on every call.
+WIDE_EXPERT_DTYPES = ("int32",)
+#: vLLM's "no logprob" value (serving.py `_clamp_logprob` and the missing-entry default in
+#: both versions); never a real logprob, so it is stored as NaN (D-41).
+MISSING_LOGPROB = -9999.0
+#: Finish reasons vLLM sends (v1/engine/__init__.py FINISH_REASON_STRINGS), as skycap reads
+#: them: `repetition` (repetitive n-gram detection) is a normal stop (D-41); `abort` and
+#: `error` are engine failures.
+FINISH_AS = {"stop": "stop", "length": "length", "repetition": "stop"}
+FAILED_FINISH = ("abort", "error")
 
 
 class EngineError(Exception):
@@ -34,6 +46,13 @@ class EngineOutput:
     routed_experts: np.ndarray | None = None
     routed_start: int = 0
     sampling_mask: list[list[int]] | None = None
+    #: The engine's own finish reason when it differs from `finish_reason` (`repetition`).
+    engine_finish_reason: str | None = None
+
+    @property
+    def missing_logprobs(self) -> int:
+        """Sampled tokens the engine gave no logprob for (stored as NaN, loss mask 0)."""
+        return sum(1 for value in self.logprobs if value != value)
 
 
 def _fold_max_completion_tokens(side: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,7 +103,6 @@ class VLLMEngine:
             "top_k",
             "min_p",
             "seed",
-            "stop",
             "stop_token_ids",
             "repetition_penalty",
             "frequency_penalty",
@@ -108,8 +126,11 @@ class VLLMEngine:
         """The request body of http.md §10.1 for the merged `sampling` dict.
 
         Keys outside `sampling_keys` are dropped from the wire (they stay recorded);
-        `logprobs: 0` is always sent. `sampling_mask` is ignored: vLLM returns masks when
-        started with `--return-sampling-mask`.
+        `logprobs: 0` is always sent. `stop` strings are never sent: a `--tokens-only` vLLM
+        refuses them (token_in_token_out/serving.py `serve_tokens`) and skycap applies them
+        itself (D-41, skycap.tokens.stops). `sampling_mask` is ignored: vLLM returns masks
+        when started with `--return-sampling-mask`. `model` is the served name (learned or
+        `--model`), never the harness's own name, which vLLM answers with 404.
         """
         if not prompt_ids:
             raise ValueError("prompt_ids must be non-empty: the engine needs a prompt")
@@ -138,16 +159,13 @@ class VLLMEngine:
             raise EngineError("expected exactly one choice")
         choice = choices[0]
         completion = _completion_ids(choice.get("token_ids"))
-        finish = choice.get("finish_reason")
-        if finish is None:
-            finish = "stop"
-        elif not isinstance(finish, str):
-            raise EngineError(f"finish_reason must be a string, got {finish!r}")
+        finish, engine_finish = _finish_reason(choice.get("finish_reason"))
         output = EngineOutput(
             completion_ids=completion,
-            logprobs=_logprobs(choice.get("logprobs"), len(completion)),
+            logprobs=_logprobs(choice.get("logprobs"), completion),
             finish_reason=finish,
             routed_start=routes_from if self.routes_from_supported else 0,
+            engine_finish_reason=engine_finish,
         )
         self._side_channels(choice, output)
         return output
@@ -179,7 +197,30 @@ def _completion_ids(ids: Any) -> list[int]:
     return ids
 
 
-def _logprobs(logprobs: Any, n: int) -> list[float]:
+def _finish_reason(value: Any) -> tuple[str, str | None]:
+    """(skycap's finish reason, the engine's when it differs); abort and error raise."""
+    if value is None:  # vLLM's choice default is "stop" (protocol.py GenerateChoiceBase)
+        return "stop", None
+    if not isinstance(value, str):
+        raise EngineError(f"finish_reason must be a string, got {value!r}")
+    if value in FAILED_FINISH:
+        raise EngineError(
+            f"the engine ended the request with finish_reason {value!r} (aborted or failed "
+            "inside the engine); nothing was committed, retry the call"
+        )
+    mapped = FINISH_AS.get(value, value)
+    return mapped, value if mapped != value else None
+
+
+def _logprobs(logprobs: Any, completion: list[int]) -> list[float]:
+    """One logprob per completion token, each checked against its token; -9999.0 is NaN.
+
+    Reads both entry shapes: 0.33's `{"token_id": N, "logprob", "rank", "top_logprobs"}`
+    (token_in_token_out/protocol.py GenerateLogProbsContent) and 0.26's OpenAI-style
+    `{"token": "token_id:N", "logprob", "bytes", "top_logprobs"}` (0.26 serving.py
+    `_create_tokens_logprobs`). An entry naming no token cannot be checked and is read as is.
+    """
+    n = len(completion)
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
     if not isinstance(content, list):
         raise EngineError(
@@ -189,6 +230,12 @@ def _logprobs(logprobs: Any, n: int) -> list[float]:
     values = [v for v in values if v is not None]
     if len(values) != n or len(content) != n:
         raise EngineError(f"{n} completion tokens but {len(values)} logprobs")
+    for i, (entry, token) in enumerate(zip(content, completion, strict=True)):
+        named = _entry_token(entry)
+        if named is not None and named != token:
+            raise EngineError(
+                f"logprob entry {i} is for token {named} but completion token {i} is {token}"
+            )
     return values
 
 
@@ -196,7 +243,22 @@ def _logprob(entry: Any) -> float | None:
     value = entry.get("logprob") if isinstance(entry, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    value = float(value)
+    return math.nan if value <= MISSING_LOGPROB else value
+
+
+def _entry_token(entry: dict[str, Any]) -> int | None:
+    """The token id an entry names (either shape), or None when it names none."""
+    token_id = entry.get("token_id")
+    if token_id is not None:
+        if not _is_token_id(token_id):
+            raise EngineError(f"logprob entry token_id must be a token id, got {token_id!r}")
+        return token_id
+    token = entry.get("token")
+    prefix = "token_id:"
+    if isinstance(token, str) and token.startswith(prefix) and token[len(prefix) :].isdigit():
+        return int(token[len(prefix) :])
+    return None  # no id, or a decoded token string from an engine with a tokenizer
 
 
 def _routed_experts(value: Any) -> tuple[np.ndarray, int | None]:
@@ -218,9 +280,21 @@ def _routed_experts(value: Any) -> tuple[np.ndarray, int | None]:
             "routed_experts must be a base64 .npy string or an array envelope, "
             f"got {type(value).__name__}"
         )
+    if array.dtype.name in WIDE_EXPERT_DTYPES:
+        array = _narrow(array)
     if array.dtype.name not in EXPERT_DTYPES:
-        raise EngineError(f"routed_experts dtype must be uint8 or uint16, got {array.dtype}")
+        raise EngineError(f"routed_experts dtype must be uint8, uint16 or int32, got {array.dtype}")
     return array.astype(array.dtype.newbyteorder("="), copy=False), start
+
+
+def _narrow(array: np.ndarray) -> np.ndarray:
+    """int32 expert ids as uint16, refusing any value that would not survive the cast."""
+    if array.size and (int(array.min()) < 0 or int(array.max()) > np.iinfo(np.uint16).max):
+        raise EngineError(
+            f"routed_experts int32 ids must be in [0, 65535], got [{int(array.min())}, "
+            f"{int(array.max())}]"
+        )
+    return array.astype(np.uint16)
 
 
 def _load_npy(text: str) -> np.ndarray:

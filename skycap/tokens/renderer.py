@@ -111,21 +111,49 @@ def _accepts_prompt_ids(method: Callable[..., Any]) -> bool:
 
 
 def raw_content(
-    renderer: Renderer, completion_ids: Sequence[int], prompt_ids: Sequence[int]
+    renderer: Renderer,
+    completion_ids: Sequence[int],
+    prompt_ids: Sequence[int],
+    *,
+    skip_special_tokens: bool = True,
 ) -> str:
-    """The `--use-raw-content` reply text (http.md §9.5).
+    """The `--use-raw-content` reply text (http.md §9.5): what vLLM's server answers as text.
 
-    The completion without its trailing stop tokens, special tokens kept, decoded as a
-    stream primed with the last 8 prompt tokens, so thinking markup and unparsed tool calls
-    stay inline and a harness replaying `content` verbatim stays on one path.
+    The completion without its trailing stop token (v1/engine/detokenizer.py leaves the
+    token that stopped generation out), decoded as a stream primed with the last 8 prompt
+    tokens, with special tokens skipped or kept as vLLM's `skip_special_tokens` says
+    (default true there and here). Thinking markup and unparsed tool calls stay inline
+    (they are not special tokens), so a harness replaying `content` verbatim stays on one
+    path. A renderer whose `decode_spans` takes no `skip_special_tokens` keeps them.
     """
     stops = set(renderer.stop_token_ids)
     end = len(completion_ids)
-    while end and completion_ids[end - 1] in stops:
+    if end and completion_ids[end - 1] in stops:
         end -= 1
     context = list(prompt_ids[-RAW_CONTENT_CONTEXT:])
-    text, _ = renderer.decode_spans(list(completion_ids[:end]), context=context)
-    return text.decode("utf-8")
+    text, _ = decode_spans_as(
+        renderer, completion_ids[:end], context, skip_special_tokens=skip_special_tokens
+    )
+    return text.decode("utf-8", "replace")
+
+
+def decode_spans_as(
+    renderer: Renderer,
+    token_ids: Sequence[int],
+    context: Sequence[int],
+    *,
+    skip_special_tokens: bool,
+) -> tuple[bytes, list[int]]:
+    """`renderer.decode_spans`, passing `skip_special_tokens` if the method takes it."""
+    try:
+        takes = "skip_special_tokens" in inspect.signature(renderer.decode_spans).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        return renderer.decode_spans(
+            list(token_ids), list(context), skip_special_tokens=skip_special_tokens
+        )
+    return renderer.decode_spans(list(token_ids), list(context))
 
 
 def tool_call_id(completion_ids: Sequence[int], index: int) -> str:
@@ -164,7 +192,7 @@ class LibraryRenderer:
         self.name = os.fspath(tokenizer)
         self._tokenizer = _load_tokenizer(self.name)
         self._lib = _create_library_renderer(
-            _MemoTokenizer(self._tokenizer), renderer_name, chat_template_kwargs
+            _MemoTokenizer(self._tokenizer), renderer_name, chat_template_kwargs, self.name
         )
         self.stop_token_ids: list[int] = [int(t) for t in self._lib.get_stop_token_ids()]
         self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
@@ -313,9 +341,14 @@ class LibraryRenderer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def decode_spans(
-        self, token_ids: Sequence[int], context: Sequence[int] = ()
+        self,
+        token_ids: Sequence[int],
+        context: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = False,
     ) -> tuple[bytes, list[int]]:
-        """Stream decode with special tokens kept, primed with `context` (format.md §10.2).
+        """Stream decode primed with `context` (format.md §10.2), special tokens kept unless
+        `skip_special_tokens` (raw content and stop strings decode as vLLM does).
 
         A token that leaves a character incomplete gets an empty span; the token completing
         it carries the whole character. Bytes still pending at the end are decoded lossily
@@ -323,7 +356,7 @@ class LibraryRenderer:
         """
         from tokenizers.decoders import DecodeStream
 
-        stream = DecodeStream(list(context) or None, skip_special_tokens=False)
+        stream = DecodeStream(list(context) or None, skip_special_tokens=skip_special_tokens)
         chunks: list[bytes] = []
         offsets: list[int] = []
         size = 0
@@ -338,7 +371,9 @@ class LibraryRenderer:
             if piece is not None:
                 pending_from = k + 1
         if pending_from < len(token_ids):
-            tail = self._backend.decode(list(token_ids[pending_from:]), skip_special_tokens=False)
+            tail = self._backend.decode(
+                list(token_ids[pending_from:]), skip_special_tokens=skip_special_tokens
+            )
             chunks.append(tail.encode("utf-8"))
         return b"".join(chunks), offsets
 
@@ -450,32 +485,84 @@ def _load_tokenizer(name: str) -> Any:
         ) from exc
 
 
+def renderer_names() -> list[str]:
+    """Every renderer name the `renderers` library knows (the choices of `--renderer`)."""
+    from renderers.base import RENDERER_REGISTRY, _populate_registry
+
+    _populate_registry()
+    return sorted(RENDERER_REGISTRY)
+
+
+def infer_renderer_name(source: str) -> str | None:
+    """The renderer for a tokenizer hub name or local folder, from names it carries, or None.
+
+    A hub name is looked up in the library's map. A folder is known by the hub name it was
+    saved from: `_name_or_path` in config.json, `name_or_path` in tokenizer_config.json, a
+    Hugging Face cache path (`models--Org--Name/snapshots/...`), or a folder named like a
+    mapped model (`/models/Qwen3-8B`). Never a guess from the chat template.
+    """
+    from renderers.base import MODEL_RENDERER_MAP
+
+    if source in MODEL_RENDERER_MAP:
+        return MODEL_RENDERER_MAP[source]
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return None
+    candidates: list[str] = []
+    for file, key in (("config.json", "_name_or_path"), ("tokenizer_config.json", "name_or_path")):
+        try:
+            value = json.loads((folder / file).read_text(encoding="utf-8")).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, str):
+            candidates.append(value)
+    for part in folder.resolve().parts:
+        if part.startswith("models--"):
+            candidates.append(part[len("models--") :].replace("--", "/"))
+    candidates.append(folder.resolve().name)
+    by_tail = {key.rsplit("/", 1)[-1].lower(): value for key, value in MODEL_RENDERER_MAP.items()}
+    for candidate in candidates:
+        if candidate in MODEL_RENDERER_MAP:
+            return MODEL_RENDERER_MAP[candidate]
+        tail = candidate.rstrip("/").rsplit("/", 1)[-1].lower()
+        if tail in by_tail:
+            return by_tail[tail]
+    return None
+
+
 def _create_library_renderer(
-    tokenizer: Any, renderer_name: str | None, chat_template_kwargs: Mapping[str, Any] | None
+    tokenizer: Any,
+    renderer_name: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    source: str,
 ) -> Any:
     """Resolve the library renderer with thinking retention forced to "all".
 
-    Names the library maps (or an explicit `renderer_name`) get a typed config with
-    `thinking_retention="all"`; anything else falls back to the library's auto resolution,
-    whose DefaultRenderer never bridges and accepts no retention setting.
+    `renderer_name` None or "auto" infers the name from `source` (infer_renderer_name); a
+    tokenizer no renderer is known for is refused with the list of names rather than given
+    the library's DefaultRenderer, which returns tool calls as raw text (an agent then stops
+    after one turn). `--renderer default` asks for that renderer explicitly.
     """
-    from renderers.base import MODEL_RENDERER_MAP, create_renderer
+    from renderers.base import create_renderer
     from renderers.configs import config_from_name
 
-    name = renderer_name or MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", ""))
-    try:
-        config = None
-        if name is not None:
-            config = config_from_name(name)
-            if name != "default":
-                config = type(config).model_validate({"name": name, "thinking_retention": "all"})
-        return create_renderer(tokenizer, config, chat_template_kwargs=chat_template_kwargs)
-    except (
-        Exception
-    ) as exc:  # unknown names and bad kwargs raise ValueError/TypeError/pydantic errors
+    name = renderer_name if renderer_name not in (None, "auto") else infer_renderer_name(source)
+    if name is None:
         raise RenderError(
-            f"cannot build renderer {name or 'auto'!r} for tokenizer "
-            f"{getattr(tokenizer, 'name_or_path', '?')!r}: {type(exc).__name__}: {exc}"
+            f"no renderer is known for tokenizer {source!r}: pass --renderer NAME "
+            f"(renderer_name=), one of {', '.join(renderer_names())}"
+        )
+    try:
+        config = config_from_name(name)
+        if name != "default":
+            config = type(config).model_validate({"name": name, "thinking_retention": "all"})
+        return create_renderer(tokenizer, config, chat_template_kwargs=chat_template_kwargs)
+    except Exception as exc:  # unknown names and bad kwargs raise ValueError/TypeError/pydantic
+        known = renderer_names()
+        hint = "" if name in known else f"; known renderers: {', '.join(known)}"
+        raise RenderError(
+            f"cannot build renderer {name!r} for tokenizer {source!r}: "
+            f"{type(exc).__name__}: {exc}{hint}"
         ) from exc
 
 
@@ -527,3 +614,33 @@ class RendererPool:
     def close(self) -> None:
         """Stop the worker threads; calls already running finish first."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def renderer_pool(
+    tokenizer: str | None,
+    renderer: Renderer | None,
+    renderer_name: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    size: int,
+) -> RendererPool:
+    """The default library renderer pool, or a ready renderer in a one-slot pool."""
+    if isinstance(renderer, str):
+        raise ValueError(
+            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
+            "name as renderer_name= (--renderer)"
+        )
+    if (tokenizer is None) == (renderer is None):
+        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
+    if renderer is not None:
+        if renderer_name is not None or chat_template_kwargs is not None:
+            raise ValueError(
+                "renderer_name and chat_template_kwargs configure the default renderer; "
+                "they cannot be combined with a ready renderer="
+            )
+        return RendererPool(lambda: renderer, 1)
+    return RendererPool(
+        lambda: LibraryRenderer(
+            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
+        ),
+        size,
+    )

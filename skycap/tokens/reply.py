@@ -19,6 +19,7 @@ def reply_message(
     prompt_ids: Sequence[int],
     *,
     use_raw_content: bool,
+    skip_special_tokens: bool = True,
 ) -> dict[str, Any]:
     """The canonical reply message stored on the model node.
 
@@ -26,7 +27,10 @@ def reply_message(
     replays `content` verbatim stays on one path. Runs on a renderer worker thread.
     """
     if use_raw_content:
-        return {"role": "assistant", "content": raw_content(renderer, completion_ids, prompt_ids)}
+        content = raw_content(
+            renderer, completion_ids, prompt_ids, skip_special_tokens=skip_special_tokens
+        )
+        return {"role": "assistant", "content": content}
     return parse_reply(renderer, completion_ids, tools, prompt_ids)
 
 

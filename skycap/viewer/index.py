@@ -4,10 +4,15 @@ per document, rescanned incrementally (viewer.md §1).
 A rescan lists each directory once, re-reads only documents whose modification time or
 size changed (or whose listed sidecar files came or went) and drops deleted ones, so a
 run of 10,000 records lists again in milliseconds. Summaries come from documents alone.
+
+A mirror URL is a run too: its files are kept in a local cache (skycap/record/remote.py)
+that a background thread brings up to date every `mirror_interval` seconds; rescans read
+that cache like any directory, so a slow store never stalls a page.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,10 +23,14 @@ from typing import Any
 
 import orjson
 
+from skycap.record.reader import RecordError
+from skycap.record.remote import MirrorCache
 from skycap.viewer import derive
 from skycap.viewer.validate import DOCUMENT_SUFFIX, document_problems, listed_files, read_document
 
 UNREADABLE = "unreadable"
+MIRROR_INTERVAL = 30.0
+logger = logging.getLogger("skycap.viewer")
 
 
 def group_value(value: Any) -> str | None:
@@ -188,9 +197,10 @@ def summarise(
 class Run:
     """One record directory and its document summaries; `rescan` brings it up to date."""
 
-    def __init__(self, name: str, path: Path) -> None:
+    def __init__(self, name: str, path: Path, label: str | None = None) -> None:
         self.name = name
         self.path = path
+        self.label = label or str(path)  # a mirror run shows its URL, not its cache
         self.summaries: dict[str, Summary] = {}
         self.version = 0
         self.lock = threading.Lock()
@@ -261,7 +271,7 @@ class Run:
             modes[s.mode or "unknown"] = modes.get(s.mode or "unknown", 0) + 1
         return {
             "name": self.name,
-            "path": str(self.path),
+            "path": self.label,
             "trajectories": len(summaries),
             "unreadable": sum(1 for s in summaries if s.status == UNREADABLE),
             "modes": modes,
@@ -310,26 +320,63 @@ def run_name(path: Path) -> str:
 class Index:
     """All runs under the given folders. Safe to call from several server threads."""
 
-    def __init__(self, roots: list[Path], *, min_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        roots: list[Path],
+        *,
+        mirrors: list[MirrorCache] | None = None,
+        min_interval: float = 1.0,
+        mirror_interval: float = MIRROR_INTERVAL,
+    ) -> None:
         self.roots = [Path(root).resolve() for root in roots]
+        self.mirrors = list(mirrors or [])
         self.min_interval = min_interval
+        self.mirror_interval = mirror_interval
         self.runs: dict[str, Run] = {}
         self._names: dict[Path, str] = {}
         self._lock = threading.Lock()
         self._refreshed_at: float | None = None
+        self._mirrors_synced_at: float | None = None
+        self._syncing: threading.Thread | None = None
 
     def _discover(self) -> None:
         for root in self.roots:
             for path in record_directories(root):
-                if path in self._names:
-                    continue
-                base = name = run_name(path)
-                n = 1
-                while name in self.runs:
-                    n += 1
-                    name = f"{base}~{n}"
-                self._names[path] = name
-                self.runs[name] = Run(name, path)
+                self._add_run(path, run_name(path))
+        for mirror in self.mirrors:
+            self._add_run(mirror.path, mirror.url.rpartition("/")[2] or mirror.url, mirror.label)
+
+    def _add_run(self, path: Path, base: str, label: str | None = None) -> None:
+        if path in self._names:
+            return
+        name = base
+        n = 1
+        while name in self.runs:
+            n += 1
+            name = f"{base}~{n}"
+        self._names[path] = name
+        self.runs[name] = Run(name, path, label)
+
+    def sync_mirrors(self) -> None:
+        """Bring every mirror's cache up to date; a store that fails is logged and retried
+        at the next interval (the cache keeps what it had)."""
+        for mirror in self.mirrors:
+            try:
+                mirror.refresh()
+            except (RecordError, OSError) as exc:
+                logger.warning("cannot refresh %s: %s", mirror.label, exc)
+        self._mirrors_synced_at = time.monotonic()
+
+    def _sync_mirrors_in_background(self) -> None:
+        if not self.mirrors or (self._syncing is not None and self._syncing.is_alive()):
+            return
+        synced = self._mirrors_synced_at
+        if synced is not None and time.monotonic() - synced < self.mirror_interval:
+            return
+        self._syncing = threading.Thread(
+            target=self.sync_mirrors, name="skycap-view-mirror", daemon=True
+        )
+        self._syncing.start()
 
     def refresh(self, *, force: bool = False) -> None:
         """Find new runs and rescan every run, at most once per `min_interval` unless forced."""
@@ -341,6 +388,10 @@ class Index:
                 and now - self._refreshed_at < self.min_interval
             ):
                 return
+            if force and self.mirrors:
+                self.sync_mirrors()
+            else:
+                self._sync_mirrors_in_background()
             self._discover()
             for run in list(self.runs.values()):
                 run.rescan()

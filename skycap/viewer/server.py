@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from skycap.record.reader import RecordError, read_sidecar
+from skycap.record.remote import MirrorCache
 from skycap.viewer import derive
 from skycap.viewer.groups import (
     DEFAULT_GROUP_BY,
@@ -32,9 +33,10 @@ from skycap.viewer.groups import (
     parse_query,
     rollouts_table,
 )
-from skycap.viewer.index import Index, Run
+from skycap.viewer.index import MIRROR_INTERVAL, Index, Run
 from skycap.viewer.validate import (
     DOCUMENT_SUFFIX,
+    TOKEN_ARRAYS,
     document_problems,
     listed_files,
     read_document,
@@ -211,6 +213,10 @@ class Viewer:
             )
         except (RecordError, ValueError, KeyError) as exc:
             arrays = f"tokens sidecar unreadable: {exc}"
+        if isinstance(arrays, dict):
+            absent = [name for name in TOKEN_ARRAYS if name not in arrays]
+            if absent:  # a hostile or damaged manifest (issue 17): say so, never a 500
+                arrays = f"tokens sidecar unreadable: its manifest lists no {absent[0]} array"
         if arrays is None:
             arrays = derive.TEXT_ONLY_WARNING
         with self._lock:
@@ -448,6 +454,9 @@ class Handler(BaseHTTPRequestHandler):
                 return HTTPStatus.OK, _json(answer(match, params))
             except ApiError as exc:
                 return exc.status, _json({"error": str(exc)})
+            except orjson.JSONEncodeError as exc:  # e.g. a message nested past 254 levels
+                error = f"record error: {path} cannot be shown as JSON: {exc}"
+                return HTTPStatus.UNPROCESSABLE_ENTITY, _json({"error": error})
             except Exception as exc:  # one bad record must not take the page down
                 error = f"internal error on {path}: {type(exc).__name__}: {exc}"
                 logger.error("skycap view: %s", error)
@@ -514,12 +523,14 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 8765,
     group_by: tuple[str, ...] = DEFAULT_GROUP_BY,
+    mirrors: list[MirrorCache] | None = None,
+    mirror_interval: float = MIRROR_INTERVAL,
 ) -> ViewerServer:
-    """A server over the runs under `roots`, bound and then indexed (call serve_forever).
-
-    Binding first makes a busy port fail at once rather than after a long first index.
+    """A server over the runs under `roots` and `mirrors`, bound and then indexed (call
+    serve_forever). Binding first makes a busy port fail at once rather than after a long
+    first index (or a first copy of a mirror).
     """
-    index = Index(roots)
+    index = Index(roots, mirrors=mirrors, mirror_interval=mirror_interval)
     server = ViewerServer((host, port), Viewer(index, group_by))
     index.refresh(force=True)
     return server

@@ -8,6 +8,7 @@ as `absent`.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,13 +19,19 @@ import numpy as np
 import orjson
 import zstandard
 
-from skycap.record.frames import FrameError, zstd_frames
+from skycap.record.frames import FrameError, content_size_problem, zstd_frames
 from skycap.record.layout import DOCUMENT_SUFFIX, DTYPES, FORMAT_VERSION
 from skycap.record.layout import KINDS as SIDECAR_KINDS
 from skycap.trajectory import STATUSES
 from skycap.viewer.derive import as_dict, as_list, is_int, malformed_kinds
 
 TOKEN_ARRAYS = ("token_ids", "logprobs", "text_offsets", "text")
+# The arrays each sidecar kind must list (format.md §10).
+KIND_ARRAYS = {
+    "tokens": TOKEN_ARRAYS,
+    "experts": ("routed_experts",),
+    "sampling_mask": ("ids", "offsets"),
+}
 PROBLEMS_PER_LINE = 5
 DEFAULT_LIMIT = 20
 
@@ -44,8 +51,13 @@ def decompress(data: bytes) -> tuple[bytes, int]:
         raise FrameError("not a zstd frame at byte 0")
     out = []
     for start, end in frames:
+        frame = data[start:end]
+        problem = content_size_problem(frame)
+        if problem is not None:
+            raise FrameError(f"{problem} (frame at byte {start})")
         try:
-            out.append(zstandard.ZstdDecompressor().decompressobj().decompress(data[start:end]))
+            # Verifies the frame's content checksum when it has one.
+            out.append(zstandard.ZstdDecompressor().decompressobj().decompress(frame))
         except zstandard.ZstdError as exc:
             raise FrameError(f"corrupt zstd frame at byte {start}: {exc}") from exc
     return b"".join(out), len(frames)
@@ -116,6 +128,10 @@ def _node_rules(document: Mapping[str, Any]) -> list[str]:
         author = node.get("author", ABSENT)
         if author not in ("client", "model"):
             problems.append(f"node {i}: author {show(author)}")
+        if not isinstance(node.get("message"), dict):
+            problems.append(
+                f"node {i}: message {show(node.get('message', ABSENT))} is not an object"
+            )
         calls = node.get("calls")
         if author == "client" and as_list(calls):
             problems.append(f"node {i}: client node with calls")
@@ -241,15 +257,33 @@ def _manifest_rules(document: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _samples_rules(document: Mapping[str, Any]) -> list[str]:
+    """The recorded `samples` (format.md §5): rows of a leaf node and target node ids."""
+    samples = document.get("samples")
+    if samples is None:
+        return []
+    if not isinstance(samples, dict) or not isinstance(samples.get("rows"), list):
+        return [f"samples {show(samples)[:60]} is not an object with a rows array"]
+    count = len(as_list(document.get("nodes")))
+    for r, row in enumerate(samples["rows"]):
+        row = as_dict(row)
+        leaf, targets = row.get("leaf", ABSENT), row.get("targets", ABSENT)
+        if not (is_int(leaf) and 0 <= leaf < count):
+            return [f"samples row {r}: leaf {show(leaf)} is not a node"]
+        if not isinstance(targets, list) or not all(is_int(t) and 0 <= t < count for t in targets):
+            return [f"samples row {r}: targets {show(targets)[:60]} are not node ids"]
+    return []
+
+
 def document_problems(document: Mapping[str, Any]) -> list[str]:
-    """Rules 1-13, 15 and 16 on a readable document, in rule order."""
+    """Rules 1-13, 15 and 16 and the samples field on a readable document, in rule order."""
     problems = [
         f"missing {key}" for key in ("id", "status", "nodes", "sidecars") if key not in document
     ]
     status = document.get("status", ABSENT)
     if status is not ABSENT and status not in STATUSES:
         problems.append(f"unknown status {show(status)}")
-    return problems + _node_rules(document) + _manifest_rules(document)
+    return problems + _node_rules(document) + _manifest_rules(document) + _samples_rules(document)
 
 
 def listed_files(document: Mapping[str, Any]) -> dict[str, str]:
@@ -263,9 +297,9 @@ def listed_files(document: Mapping[str, Any]) -> dict[str, str]:
 
 
 def token_arrays(
-    payload: bytes, entry: Mapping[str, Any]
+    payload: bytes, entry: Mapping[str, Any], kind: str = "tokens"
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The tokens sidecar's arrays, viewed from the payload, and the problems that stop any."""
+    """A sidecar's arrays, viewed from the payload, and the problems that stop any."""
     arrays: dict[str, np.ndarray] = {}
     problems = []
     listed = as_dict(entry.get("arrays"))
@@ -282,7 +316,7 @@ def token_arrays(
         if not is_int(offset) or offset < 0 or offset % dt.itemsize:
             problems.append(f"array {name}: offset {show(offset)} not aligned to {dt.itemsize}")
             continue
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # Python ints: a shape like [2**62, 4, 2] cannot wrap
         end = offset + count * dt.itemsize
         if end > len(payload):
             problems.append(
@@ -291,7 +325,7 @@ def token_arrays(
             continue
         arrays[name] = np.frombuffer(payload, dtype=dt, count=count, offset=offset).reshape(shape)
     problems += [
-        f"tokens sidecar has no {name} array" for name in TOKEN_ARRAYS if name not in listed
+        f"{kind} sidecar has no {name} array" for name in KIND_ARRAYS[kind] if name not in listed
     ]
     return arrays, problems
 
@@ -369,8 +403,56 @@ def token_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     return problems
 
 
+def experts_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """The experts sidecar against the nodes: [rows, layers, k], every node's rows inside."""
+    rows = arrays.get("routed_experts")
+    if rows is None:
+        return []
+    if rows.ndim != 3:
+        return [f"routed_experts has shape {list(rows.shape)}; expected [rows, layers, k]"]
+    problems = []
+    for i, node in enumerate(as_list(document.get("nodes"))):
+        tokens = as_dict(as_dict(node).get("tokens"))
+        start, count = tokens.get("experts_offset"), tokens.get("experts_rows")
+        if is_int(start) and is_int(count) and not 0 <= start <= start + count <= rows.shape[0]:
+            problems.append(
+                f"node {i} experts [{start}, {start + count}) outside the "
+                f"{rows.shape[0]}-row sidecar"
+            )
+    return problems
+
+
+def mask_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """The sampling-mask sidecar: CSR offsets that rise within its ids, node rows inside."""
+    ids, offsets = arrays.get("ids"), arrays.get("offsets")
+    if ids is None or offsets is None:
+        return []
+    if offsets.ndim != 1 or offsets.shape[0] < 1:
+        return [f"sampling_mask offsets has shape {list(offsets.shape)}"]
+    if offsets[0] != 0 or offsets[-1] > ids.shape[0] or np.any(np.diff(offsets) < 0):
+        return [f"sampling_mask offsets are not CSR bounds over its {ids.shape[0]} ids"]
+    problems = []
+    for i, node in enumerate(as_list(document.get("nodes"))):
+        tokens = as_dict(as_dict(node).get("tokens"))
+        start, rows = tokens.get("mask_offset"), tokens.get("mask_rows")
+        if is_int(start) and is_int(rows) and not 0 <= start <= start + rows < offsets.shape[0]:
+            problems.append(
+                f"node {i} mask rows [{start}, {start + rows}) outside the "
+                f"{offsets.shape[0] - 1}-row sidecar"
+            )
+    return problems
+
+
+_KIND_PROBLEMS = {
+    "tokens": token_problems,
+    "experts": experts_problems,
+    "sampling_mask": mask_problems,
+}
+
+
 def sidecar_problems(record_dir: Path, document: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """Rules 14 and 17 over the sidecar files present: (problems, listed kinds not here)."""
+    """Rules 14 and 17 over every sidecar file present, each decoded and its checksum
+    verified (D-45): (problems, listed kinds not here)."""
     problems: list[str] = []
     missing = []
     manifest = as_dict(document.get("sidecars"))
@@ -385,16 +467,15 @@ def sidecar_problems(record_dir: Path, document: Mapping[str, Any]) -> tuple[lis
             problems.append(f"cannot read {name}: {exc.strerror}")
             continue
         try:
-            if kind != "tokens":
-                problems += frames_problem(name, len(zstd_frames(data)))
-                continue
             payload, count = decompress(data)
         except FrameError as exc:
             problems.append(f"{name}: {exc}")
             continue
         problems += frames_problem(name, count)
-        arrays, array_problems = token_arrays(payload, as_dict(manifest[kind]))
-        problems += array_problems + token_problems(document, arrays)
+        if kind not in _KIND_PROBLEMS:
+            continue  # an unknown kind is reported by the manifest rules
+        arrays, array_problems = token_arrays(payload, as_dict(manifest[kind]), kind)
+        problems += array_problems + _KIND_PROBLEMS[kind](document, arrays)
     return problems, missing
 
 
@@ -432,11 +513,11 @@ class DirectoryReport:
     bad: int = 0
     lines: list[str] = field(default_factory=list)
     missing: dict[str, int] = field(default_factory=dict)
-    sidecars: bool = False
+    sidecars: bool = True
 
     def footer(self) -> list[str]:
         line = f"{self.directory}: {self.documents} documents, {self.bad} with problems"
-        out = [line + (" (tokens sidecars checked)" if self.sidecars else "")]
+        out = [line + ("" if self.sidecars else " (documents only)")]
         if self.missing:
             counts = ", ".join(
                 f"{kind} {self.missing[kind]}" for kind in sorted(self.missing, key=_kind_order)
@@ -462,8 +543,9 @@ def check_document(record_dir: Path, doc_id: str, *, sidecars: bool) -> tuple[li
 
 
 def check_directory(
-    record_dir: Path, *, sidecars: bool = False, limit: int = DEFAULT_LIMIT
+    record_dir: Path, *, sidecars: bool = True, limit: int = DEFAULT_LIMIT
 ) -> DirectoryReport:
+    """Every document, and with `sidecars` (the default, D-45) every file it lists."""
     report = DirectoryReport(directory=str(record_dir), sidecars=sidecars)
     for doc_id in document_ids(record_dir):
         problems, missing = check_document(record_dir, doc_id, sidecars=sidecars)

@@ -1,0 +1,63 @@
+"""Every script in examples/ runs as written: with this interpreter, from a temporary folder,
+printing what it promises. Add an example's expected lines to EXPECTED to test it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+#: Script name -> lines its output must contain.
+EXPECTED: dict[str, list[str]] = {
+    "grpo_openai.py": [
+        "step 0: GRPO batch of 16 trained rows",
+        "step 1: GRPO batch of 16 trained rows",
+        "retried_rollouts=1",
+        "record log: 17 attempts, 1 superseded",
+        "forks=0",
+        "num_unbridged_calls=0",
+        "masked_trajectories=0",
+    ],
+    "grpo_litellm.py": [
+        "step 0: GRPO batch of 16 trained rows",
+        "retried_rollouts=1",
+        "forks=0",
+        "num_unbridged_calls=0",
+        "step rows: 32 (one per model call)",
+    ],
+}
+
+
+def runnable() -> list[str]:
+    """The example scripts (helper modules have no `__main__` block)."""
+    return sorted(
+        p.name for p in EXAMPLES.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
+    )
+
+
+def test_every_example_script_is_run_here() -> None:
+    assert runnable() == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_example_runs_and_prints_what_it_promises(name: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env["HF_HUB_OFFLINE"] = "1"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    missing = [line for line in EXPECTED[name] if line not in done.stdout]
+    assert not missing, f"{name} did not print {missing}:\n{done.stdout}"
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert any((tmp_path / "records").glob("tr_*.json.zst"))  # its records, in its folder
