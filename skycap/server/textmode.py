@@ -252,6 +252,8 @@ class TextCall:
         self.entry.settle(replay)
         self.live.inflight.pop(self, None)
         self.live.touch()
+        self.request = None  # type: ignore[assignment]  # the parsed body can be large
+        self.body = []
         self.body = {}
 
     def cancel(self) -> None:
