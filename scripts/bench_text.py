@@ -1,7 +1,7 @@
 """Text-mode overhead benchmark (D-26): direct, a no-op lean mitmproxy, and skycap, in one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
-        [--api chat,messages]
+        [--api chat,messages,responses]
 
 The mock upstream, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
@@ -42,6 +42,17 @@ MESSAGES = [
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
 ANTHROPIC_MESSAGES = [m for m in MESSAGES if m["role"] != "system"]
 ANTHROPIC_TOOLS = [{"name": "read_file", "input_schema": {"type": "object"}}]
+#: The same conversation as a Responses request, as Codex sends one (developer first).
+RESPONSES_INPUT = [
+    {"type": "message", "role": role, "content": [{"type": part, "text": message["content"]}]}
+    for message, role, part in zip(
+        MESSAGES,
+        ("developer", "user", "assistant", "user"),
+        ("input_text", "input_text", "output_text", "input_text"),
+        strict=True,
+    )
+]
+RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "parameters": {"type": "object"}}]
 
 
 # -- the processes under test ----------------------------------------------------------------
@@ -49,9 +60,11 @@ ANTHROPIC_TOOLS = [{"name": "read_file", "input_schema": {"type": "object"}}]
 
 def role_upstream(api: str) -> None:
     from skycap.mock.anthropic import ScriptedAnthropicUpstream
+    from skycap.mock.responses import ScriptedResponsesUpstream
     from skycap.mock.upstream import ScriptedUpstream
 
-    upstream = ScriptedAnthropicUpstream() if api == "messages" else ScriptedUpstream()
+    kinds = {"messages": ScriptedAnthropicUpstream, "responses": ScriptedResponsesUpstream}
+    upstream = kinds.get(api, ScriptedUpstream)()
     print(upstream.start(), flush=True)
     sys.stdin.read()
     upstream.stop()
@@ -183,7 +196,7 @@ async def drive(
     return time.perf_counter() - began, latencies
 
 
-PATHS = {"chat": "chat/completions", "messages": "messages"}
+PATHS = {"chat": "chat/completions", "messages": "messages", "responses": "responses"}
 
 
 def call_urls(api: str, target: str, base: str, workers: int) -> list[str]:
@@ -208,6 +221,14 @@ def request_body(api: str, stream: bool) -> bytes:
             "system": MESSAGES[0]["content"],
             "messages": ANTHROPIC_MESSAGES,
             "tools": ANTHROPIC_TOOLS,
+            "stream": stream,
+        }
+    elif api == "responses":
+        body = {
+            "model": "policy",
+            "input": RESPONSES_INPUT,
+            "tools": RESPONSES_TOOLS,
+            "store": False,
             "stream": stream,
         }
     else:
@@ -292,7 +313,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="requests per cell")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
-    parser.add_argument("--api", default="chat,messages", help="comma-separated: chat, messages")
+    parser.add_argument(
+        "--api",
+        default="chat,messages,responses",
+        help="comma-separated: chat, messages, responses",
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
@@ -306,7 +331,7 @@ def main() -> None:
     cells = []
     for api in args.api.split(","):
         if api not in PATHS:
-            parser.error(f"--api takes chat and/or messages, got {api!r}")
+            parser.error(f"--api takes chat, messages and/or responses, got {api!r}")
         upstream = Child("upstream", api)
         noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
         targets = {

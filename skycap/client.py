@@ -239,7 +239,13 @@ class Trajectory:
         self._finishing_paths = paths or self.paths
         body = {"annotations": self.finishing, "paths": self._finishing_paths}
         url = f"{self.server}/trajectories/{self.id}/finish"
-        reply = await self._pool._request("POST", url, _encode("annotations", body))
+        try:
+            reply = await self._pool._request("POST", url, _encode("annotations", body))
+        except CaptureError as exc:
+            if exc.status in (404, 410):  # the server no longer holds it: not open any more
+                self._pool._forget(self.server, self.id)
+            raise
+        self._pool._forget(self.server, self.id)
         try:
             result = FinishResult.from_json(reply)
         except ValueError as exc:
@@ -275,6 +281,9 @@ class CapturePool:
     Control calls carry the servers' control token (D-30): `control_token` when given, else
     for each server the one `skycap.control_token.find_control_token` finds (a CaptureService
     in this process, `SKYCAP_CONTROL_TOKEN`, or the file `skycap serve` wrote on this machine).
+
+    The pool remembers which trajectories it created on each server and has not finished
+    (`open_trajectories()`), so when a server dies its losses can be named by id (D-47).
     """
 
     def __init__(
@@ -291,6 +300,7 @@ class CapturePool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._open: dict[str, dict[str, None]] = {url: {} for url in self.urls}
 
     async def __aenter__(self) -> CapturePool:
         self._check_open()
@@ -318,7 +328,10 @@ class CapturePool:
                 reasons.append(exc.message)
                 last = exc
                 continue
-            return self._handle(server, reply, paths)
+            trajectory = self._handle(server, reply, paths)
+            with self._lock:
+                self._open.setdefault(server, {})[trajectory.id] = None
+            return trajectory
         raise CaptureError(f"no capture server reachable: {'; '.join(reasons)}") from last
 
     @contextlib.asynccontextmanager
@@ -344,6 +357,36 @@ class CapturePool:
             raise
         if traj.result is None:
             await traj.finish({}, paths=traj._finishing_paths)
+
+    def open_trajectories(self) -> dict[str, list[str]]:
+        """Per server URL, the ids this pool created there and has not finished, oldest first."""
+        with self._lock:
+            return {server: list(ids) for server, ids in self._open.items()}
+
+    def replace_server(self, old: str, new: str | None) -> list[str]:
+        """Take server `old` out of the rotation (putting `new` in its place, if given).
+
+        Returns the ids of the trajectories this pool had open on `old`: they are lost with
+        it. `skycap.ray.CaptureServers` calls this when it replaces a dead actor.
+        """
+        old, new = old.rstrip("/"), None if new is None else new.rstrip("/")
+        with self._lock:
+            if old not in self.urls:
+                return []
+            index = self.urls.index(old)
+            if new is None:
+                if len(self.urls) == 1:
+                    raise ValueError(f"cannot remove {old}: it is the pool's only server")
+                del self.urls[index]
+            else:
+                self.urls[index] = new
+                self._open.setdefault(new, {})
+            self._next %= len(self.urls)
+            return list(self._open.pop(old, {}))
+
+    def _forget(self, server: str, trajectory_id: str) -> None:
+        with self._lock:
+            self._open.get(server, {}).pop(trajectory_id, None)
 
     async def close(self) -> None:
         """Close the HTTP client, also from a loop other than the one that created it."""

@@ -51,6 +51,10 @@ class CaptureService:
     `upstream_url` may be positional; every other option is a keyword of
     `skycap.server.options.ServerOptions` (an unknown keyword raises TypeError, an invalid
     combination ValueError, before anything starts).
+
+    `record_dir=None` (the default) keeps every record in memory only: nothing is written,
+    nothing expires, and what was not finished is gone when the process ends. Pass a
+    directory to keep records (`skycap serve` defaults to `./records`).
     """
 
     _running: ClassVar[CaptureService | None] = None

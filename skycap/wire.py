@@ -32,7 +32,12 @@ _COUNT_ONLY = 1 << 16
 
 
 class BodyError(ValueError):
-    """A request body skycap refuses; `str(error)` is the one-line message sent back."""
+    """A request body skycap refuses; `str(error)` is the one-line message sent back and
+    `param`, when known, the request field at fault (OpenAI-shaped errors carry it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _BigInteger(Exception):

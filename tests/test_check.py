@@ -358,3 +358,40 @@ def test_analyse_reads_the_document_only() -> None:
         [],
         ["tr_x  open  linear"],
     )
+
+
+def test_json_and_forks_only(tmp_path: Path, capsys) -> None:
+    import json
+
+    Text("tr_1").call([Q], "4").call([Q], "5").call([Q], "6").write(tmp_path)
+    Text("tr_2").call([Q], "4").write(tmp_path)
+    _zst(tmp_path / "tr_bad.json.zst", b"[]")
+    code, lines, _ = check(capsys, tmp_path, "--json")
+    objects = [json.loads(line) for line in lines]
+    assert code == 2 and [o["id"] for o in objects] == ["tr_1", "tr_2", "tr_bad"]
+    assert objects[0]["paths"] == 3 and objects[0]["causes"] == {"resample": 2}
+    assert objects[0]["status"] == "finished" and objects[0]["linear"] is False
+    assert [f["cause"] for f in objects[0]["forks"]] == ["resample", "resample"]
+    assert objects[1] == {
+        "id": "tr_2",
+        "status": "finished",
+        "paths": 1,
+        "linear": True,
+        "causes": {},
+        "forks": [],
+        "unbridged_calls": 0,
+    }
+    assert objects[2] == {"id": "tr_bad", "error": "the document is a JSON list, not an object"}
+    code, lines, _ = check(capsys, tmp_path, "--forks-only")
+    assert [line.split("  ")[0] for line in lines if line.startswith("tr_")] == ["tr_1", "tr_bad"]
+    assert lines[-1] == "1 of 2 trajectories linear; forks: 2 resample; 1 unreadable"
+    code, lines, _ = check(capsys, tmp_path, "--forks-only", "--json")
+    assert [json.loads(line)["id"] for line in lines] == ["tr_1", "tr_bad"]
+
+
+def test_a_large_directory_says_its_summary_first(tmp_path: Path, capsys) -> None:
+    for i in range(20):
+        Text(f"tr_{i:02d}").call([Q], "4").write(tmp_path)
+    code, lines, _ = check(capsys, tmp_path)
+    assert code == 0 and lines[0] == lines[-1] == "20 of 20 trajectories linear"
+    assert len(lines) == 22

@@ -200,9 +200,9 @@ def test_a_pool_that_finds_no_token_says_how_to_pass_one(
 
 
 def serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
-    """`skycap serve` in a subprocess: (process, URL, its start lines)."""
+    """`skycap serve` in a subprocess: (process, URL, its start lines); records in memory."""
     process = subprocess.Popen(
-        [*SKYCAP, "serve", "--port", "0", *args],
+        [*SKYCAP, "serve", "--port", "0", "--no-record-dir", *args],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         env=env or dict(os.environ),

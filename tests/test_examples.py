@@ -4,6 +4,8 @@ printing what it promises. Add an example's expected lines to EXPECTED to test i
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +43,7 @@ def runnable() -> list[str]:
 
 
 def test_every_example_script_is_run_here() -> None:
-    assert runnable() == sorted(EXPECTED)
+    assert runnable() == sorted([*EXPECTED, *CAPTURE])
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -61,3 +63,43 @@ def test_the_example_runs_and_prints_what_it_promises(name: str, tmp_path: Path)
     assert not missing, f"{name} did not print {missing}:\n{done.stdout}"
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
     assert any((tmp_path / "records").glob("tr_*.json.zst"))  # its records, in its folder
+
+
+#: The capture examples -> a pattern their output must match.
+CAPTURE = {
+    "capture_tokens.py": r"tokens, \d+ trained",
+    "capture_text.py": r"a path of 7 messages: system user assistant tool",
+    "capture_proxy.py": r"the harness called https://api\.openai\.com/v1/ and answered 'Done",
+}
+
+
+@pytest.mark.parametrize("script", sorted(CAPTURE))
+def test_a_capture_example_leaves_records_check_reads(script: str, tmp_path: Path) -> None:
+    """Copied out of the repository, the capture examples print what they promise and leave
+    finished records that `skycap check` reads as linear."""
+    expected = CAPTURE[script]
+    folder = tmp_path / "examples"
+    shutil.copytree(EXAMPLES, folder)
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}  # the proxy's CA
+    run = subprocess.run(
+        [sys.executable, str(folder / script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(expected, run.stdout), run.stdout
+    assert "Traceback" not in run.stderr and "PyTorch" not in run.stderr
+    finished = re.findall(r"(tr_[0-9a-f]{16}): finished", run.stdout)
+    records = sorted(p.name for p in (tmp_path / "records").glob("*.json.zst"))
+    assert finished and records == sorted(f"{i}.json.zst" for i in finished)
+    check = subprocess.run(
+        [sys.executable, "-m", "skycap.cli.main", "check", "records"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout
+    assert check.stdout.splitlines()[-1] == f"{len(records)} of {len(records)} trajectories linear"

@@ -31,6 +31,8 @@ LAYERS = [
         "skycap.demo",
         "skycap.rollout",
         "skycap.compose",
+        "skycap.index",
+        "skycap.ray",
     ),
     ("skycap.cli",),
 ]
@@ -93,8 +95,8 @@ def test_no_import_cycles() -> None:
 
 def test_client_side_and_records_never_load_mitmproxy() -> None:
     code = (
-        "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard\n"
-        "import skycap.rollout, skycap.compose\n"
+        "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard.view\n"
+        "import skycap.rollout, skycap.compose, skycap.index\n"
         "from skycap import CapturePool, Sample, load\n"
         "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"
     )

@@ -43,14 +43,6 @@ def raw_post(url: str, body: bytes, token: str | None = None) -> bytes:
     return response.partition(b"\r\n\r\n")[2]
 
 
-def _values(obj: dict) -> tuple[object, ...]:
-    """A dict's values, or none when the server's thread changed it while we copied it."""
-    try:
-        return tuple(obj.values())
-    except RuntimeError:
-        return ()
-
-
 def large_objects(trajectory_id: str) -> list[object]:
     """Flows still holding the call's request, calls still holding a body, and any dict
     still holding the call's 200 MB string, alive without the collector (gc.get_objects
@@ -60,12 +52,15 @@ def large_objects(trajectory_id: str) -> list[object]:
     for obj in gc.get_objects():
         if isinstance(obj, HTTPFlow) and len(obj.request.raw_content or b"") > 100 * MB:
             found.append(obj)
-        elif isinstance(obj, TextCall) and obj.live.id == trajectory_id and obj.body:
+        elif isinstance(obj, TextCall) and obj.live.id == trajectory_id and obj.request is not None:
             found.append(obj)
-        elif isinstance(obj, dict) and any(
-            isinstance(v, str | bytes) and len(v) > 100 * MB for v in _values(obj)
-        ):
-            found.append({k: type(v).__name__ for k, v in obj.items()})
+        elif isinstance(obj, dict):
+            try:  # the server thread may change a dict while we look at it
+                items = tuple(obj.items())
+            except RuntimeError:
+                continue
+            if any(isinstance(v, str | bytes) and len(v) > 100 * MB for _, v in items):
+                found.append({k: type(v).__name__ for k, v in items})
     return found
 
 

@@ -17,8 +17,10 @@ import pytest
 from mirror_fixtures import S3, FaultProxy, s3_options
 from server_fixtures import Control, make_server, upstream, wait_for  # noqa: F401
 
+from skycap.record.journal import Journal
 from skycap.record.mirror import MirrorConfig, RecordMirror, open_store
 from skycap.server.options import ServerOptions, from_values
+from skycap.trajectory import Trajectory
 
 FAST = {"backoff": 0.01, "timeout": 20.0}
 
@@ -241,6 +243,20 @@ def test_file_urls_and_memory_urls_are_mirrors_too(tmp_path: Path) -> None:
         )
 
 
+def test_a_record_replayed_from_a_crash_journal_is_mirrored(make_server, tmp_path: Path) -> None:
+    (tmp_path / "records").mkdir()
+    journal = Journal(tmp_path / "records")  # what a killed server leaves behind
+    journal.open(Trajectory("tr_00000000000000dd", capture={"mode": "text"}))
+    journal.close()
+    remote = tmp_path / "remote"
+    server = make_server(record_dir=tmp_path / "records", record_mirror=remote.as_uri())
+    with Control(server.url) as control:
+        assert settled(control, "tr_00000000000000dd")["mirror_state"] == "copied"
+    assert (remote / "tr_00000000000000dd.json.zst").read_bytes() == (
+        tmp_path / "records" / "tr_00000000000000dd.json.zst"
+    ).read_bytes()
+
+
 # -- faults ------------------------------------------------------------------------------------
 
 
@@ -398,5 +414,5 @@ def test_skycap_serve_refuses_a_mirror_it_cannot_use(tmp_path: Path, capsys) -> 
     err = capsys.readouterr().err
     assert "skycap[remote]" in err and "uv sync --extra remote" in err
     with pytest.raises(SystemExit):
-        skycap_main([*base, "--record-mirror", "memory://m"])
+        skycap_main([*base, "--no-record-dir", "--record-mirror", "memory://m"])
     assert "--record-dir" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from mitmproxy import optmanager
 
 from skycap.certs import default_confdir, ensure_ca
 from skycap.cli.main import main
+from skycap.server import flags as flags_module
 from skycap.server import options as options_module
 from skycap.server.addon import (
     CHAT,
@@ -23,6 +24,7 @@ from skycap.server.addon import (
     MODELS,
     PASS,
     REFUSED,
+    RESPONSE_GET,
     RESPONSES,
     proxy_route,
 )
@@ -110,7 +112,7 @@ def test_proxy_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="must differ from port"):
         ServerOptions(UP, port=8080, proxy_port=8080)
     parser = argparse.ArgumentParser()
-    options_module.add_arguments(parser)
+    flags_module.add_arguments(parser)
     parsed = from_values(
         vars(parser.parse_args(["--proxy-port", "8081", "--confdir", str(tmp_path / "c")]))
     )
@@ -145,7 +147,7 @@ def test_mitmdump_turns_the_proxy_on_with_a_regular_mode(tmp_path: Path) -> None
         ("POST", "/v1/messages?beta=true", MESSAGES),
         ("POST", "/v1/messages/count_tokens?beta=true", COUNT_TOKENS),
         ("POST", "/v1/responses", RESPONSES),
-        ("GET", "/v1/responses/resp_1", RESPONSES),
+        ("GET", "/v1/responses/resp_1", RESPONSE_GET),
     ],
 )
 def test_what_the_proxy_captures(method: str, path: str, kind: str) -> None:

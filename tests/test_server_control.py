@@ -219,3 +219,18 @@ def test_one_access_line_per_harness_call_at_info(control: Control, caplog) -> N
     lines = [r.getMessage() for r in caplog.records if r.name == "skycap.access"]
     assert len(lines) == 1
     assert re.fullmatch(rf"POST /t/{trajectory['id']}/v1/chat/completions 200 [\d.]+ ms", lines[0])
+
+
+def test_idle_time_and_the_ring_of_recently_ended(control: Control) -> None:
+    kept, done = control.create({"n": 1}), control.create({"n": 2})
+    assert chat(done).status_code == 200
+    rows = {row["id"]: row for row in control.http.get("/trajectories").json()}
+    assert rows[kept["id"]]["last_failure"] is None and rows[kept["id"]]["idle_s"] >= 0
+    assert control.finish(done["id"]).status_code == 200
+    ended = control.http.get("/trajectories?ended=recent").json()
+    assert [row["id"] for row in ended][:1] == [done["id"]]
+    assert ended[0]["status"] == "finished" and ended[0]["calls"] == 1
+    assert ended[0]["ended_at"] >= ended[0]["created_at"]
+    assert ended[0]["record"] is None  # no record dir: the record stays in memory
+    wrong = control.http.get("/trajectories?ended=all")
+    assert wrong.status_code == 400 and "`ended` must be `recent`" in wrong.json()["error"]

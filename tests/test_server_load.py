@@ -34,7 +34,7 @@ def skycap(*args: str) -> list[str]:
 class ServeProcess:
     """`skycap serve` in a subprocess; the URL comes from its one start line on stderr."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, cwd: Path | None = None) -> None:
         env = {**os.environ, "SKYCAP_UPSTREAM_API_KEY": "sk-upstream-test"}
         self.process = subprocess.Popen(
             skycap("serve", "--port", "0", *args),
@@ -42,6 +42,7 @@ class ServeProcess:
             stdout=subprocess.DEVNULL,
             env=env,
             text=True,
+            cwd=cwd,
         )
         assert self.process.stderr is not None
         self.first_line = self.process.stderr.readline()
@@ -126,6 +127,43 @@ def test_64_concurrent_trajectories_then_sigterm(
     check = subprocess.run(skycap("check", str(tmp_path)), capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.splitlines()[-1] == f"{TRAJECTORIES} of {TRAJECTORIES} trajectories linear"
+
+
+def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
+    upstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    serve = ServeProcess("--upstream-url", upstream.base_url, "--ttl", "90", cwd=tmp_path)
+    records = tmp_path / "records"
+    try:
+        where = serve.process.stderr.readline()  # after the listening and token lines
+        assert where.strip() == (
+            f"records: {records}; a trajectory idle for 90 s is ended as abandoned and "
+            "written (--ttl)"
+        )
+        headers = {"Authorization": f"Bearer {serve.token}"}
+        created = httpx.post(f"{serve.url}/trajectories", json={}, headers=headers).json()
+    finally:
+        code, rest = serve.terminate()
+    assert code == 0 and "WARNING" not in rest
+    assert read_document(records / f"{created['id']}.json.zst")["status"] == "open"
+
+    memory = ServeProcess("--upstream-url", upstream.base_url, "--no-record-dir", cwd=tmp_path)
+    try:
+        assert "records: memory only (--no-record-dir)" in memory.process.stderr.readline()
+        warning = memory.process.stderr.readline()
+        assert "WARNING" in warning and "lost when the server stops" in warning
+    finally:
+        code, _ = memory.terminate()
+    assert code == 0 and len(list(records.glob("*.json.zst"))) == 1  # none from memory
+
+    both = subprocess.run(
+        skycap(
+            "serve", "--upstream-url", upstream.base_url, "--no-record-dir", "--record-dir", "x"
+        ),
+        capture_output=True,
+        text=True,
+    )
+    assert both.returncode == 2 and "exclude each other" in both.stderr
 
 
 def test_serve_usage_errors_and_version() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from skycap.server import flags as flags_module
 from skycap.server import options as options_module
 from skycap.server.addon import (
     CHAT,
@@ -19,11 +20,12 @@ from skycap.server.addon import (
     MESSAGES,
     MISS,
     MODELS,
-    RESPONSES,
+    RESPONSE_GET,
     route,
 )
+from skycap.server.flags import FLAGS
 from skycap.server.keys import KEY_PREFIX, authorized, new_api_key
-from skycap.server.options import FLAGS, ServerOptions, from_values
+from skycap.server.options import ServerOptions, from_values
 from skycap.server.retry import CAPACITY, REUSED_KEY, Conflict, Replay, RetryCache, call_key
 
 UP = "http://127.0.0.1:9/v1"
@@ -36,7 +38,7 @@ def rows_of_first_leaf(graph):
 
 def parse(*argv: str) -> ServerOptions:
     parser = argparse.ArgumentParser()
-    options_module.add_arguments(parser)
+    flags_module.add_arguments(parser)
     return from_values(vars(parser.parse_args(list(argv))))
 
 
@@ -111,7 +113,7 @@ def test_every_flag_sets_a_real_keyword() -> None:
     assert len({flag.flag for flag in FLAGS}) == len(FLAGS)
     # The docstring table names every flag, so docs and parser cannot drift apart.
     for flag in FLAGS:
-        assert f"`{flag.flag}" in options_module.__doc__
+        assert f"`{flag.flag}" in flags_module.__doc__
 
 
 def test_cli_flags_build_options(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,7 +198,7 @@ def test_api_keys_are_compared_in_constant_time_as_bytes() -> None:
             "/t/tr_0123456789abcdef/v1/messages/count_tokens",
             (COUNT_TOKENS, "tr_0123456789abcdef"),
         ),
-        ("GET", "/t/tr_0123456789abcdef/v1/responses/r_1", (RESPONSES, "tr_0123456789abcdef")),
+        ("GET", "/t/tr_0123456789abcdef/v1/responses/r_1", (RESPONSE_GET, "tr_0123456789abcdef")),
         ("GET", "/metrics", (MISS, None)),
     ],
 )

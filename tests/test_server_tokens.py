@@ -119,3 +119,31 @@ def test_token_replies_are_replayed_to_retries(
     assert models.status_code == 200 and models.json()["object"] == "list"
     refused = httpx.post(url, json={"model": "p", "messages": START, "n": 3})
     assert refused.status_code == 400
+
+
+def test_token_failures_count_in_healthz_and_rows_show_the_last_one(
+    server: ServerThread, control: Control, scripted_engine: ScriptedEngine
+) -> None:
+    before = control.http.get("/healthz").json()["failures_total"]
+    trajectory = control.create({"task": "faulty"})
+    client = openai.OpenAI(
+        base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
+    )
+    scripted_engine.fail_next("http_500")
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="p", messages=START)
+    scripted_engine.fail_next("not_json")
+    with pytest.raises(openai.APIStatusError):
+        client.chat.completions.create(model="p", messages=START)
+    assert control.http.get("/healthz").json()["failures_total"] == before + 2
+    row = next(r for r in control.http.get("/trajectories").json() if r["id"] == trajectory["id"])
+    assert row["failures"] == 2 and row["idle_s"] >= 0
+    assert row["last_failure"]["message"].startswith("engine: the reply is not JSON")
+    assert row["last_failure"]["at"] <= row["last_activity"]
+    assert control.finish(trajectory["id"], annotations={"reward": 0}).status_code == 200
+    # Gone from memory, but counted still, and listed among the recently ended.
+    assert control.http.get("/healthz").json()["failures_total"] == before + 2
+    ended = control.http.get("/trajectories", params={"ended": "recent"}).json()
+    assert ended[0]["id"] == trajectory["id"] and ended[0]["status"] == "finished"
+    assert ended[0]["failures"] == 2 and ended[0]["annotations"] == {"reward": 0}
+    assert ended[0]["record"]["path"].endswith(f"{trajectory['id']}.json.zst")

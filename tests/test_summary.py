@@ -181,10 +181,22 @@ def test_reward_buckets_when_values_are_many() -> None:
 def test_several_directories_and_usage_errors(record_dir: Path, tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["summary", str(record_dir), str(empty), "--json"]) == 0
+    # An empty folder is no record directory: said so, not summarised as zeros.
+    assert main(["summary", str(record_dir), str(empty), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"error: no records in {empty}: no *.json.zst" in captured.err
+    # A folder of record directories (one per run) is summarised run by run.
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        (runs / name).mkdir(parents=True)
+        for document in sorted(record_dir.glob("*.json.zst"))[: 2 if name == "a" else 3]:
+            (runs / name / document.name).write_bytes(document.read_bytes())
+    assert main(["summary", str(runs), "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
-    assert [r["stats"]["trajectories"] for r in results] == [5, 0]
-    assert results[1]["stats"]["paths"]["max"] is None and results[1]["stats"]["reward"] is None
+    assert [(Path(r["dir"]).name, r["stats"]["trajectories"]) for r in results] == [
+        ("a", 2),
+        ("b", 3),
+    ]
 
     assert main(["summary", str(tmp_path / "nope")]) == 2
     assert (

@@ -65,6 +65,7 @@ EXPECTED_FLAGS = {
     "open": ["incomplete"],
     "empty": ["empty"],
     "unbridged": ["unbridged"],
+    "unbridged_resample": ["unbridged-expected", "forked"],
     "inferred": ["unbridged-inferred", "replayed", "forked", "bridged-unknown"],
     "replayed": ["replayed"],
     "no_logprobs": ["no-logprobs"],

@@ -172,6 +172,98 @@ def test_keyboard_filters_health_band_and_text_only_fallback(server: ViewerServe
     assert page.errors == []
 
 
+# -- papercuts: one test per fix --------------------------------------------------------------
+
+
+def test_reward_colours_keep_the_run_range_under_a_filter(server: ViewerServer, page):
+    page.goto(f"{server.url}?run=grpo&view=rollouts&ann=reward=1")
+    page.wait_for_selector("tr.rollout td.reward .dot")
+    # Only rewards of 1 are listed; on the run's 0..1 range they are green, not the midpoint.
+    styles = {d.get_attribute("style") for d in page.locator("tr.rollout td.reward .dot").all()}
+    assert styles == {"background:hsl(120 65% 45%)"}
+    assert page.errors == []
+
+
+def test_the_task_filter_matches_the_raw_meta_task(server: ViewerServer, page):
+    page.goto(f"{server.url}?run=grpo&view=rollouts&task=tasks/a")
+    page.wait_for_selector("tr.rollout")
+    tasks = {cell.inner_text() for cell in page.locator("tr.rollout td.task").all()}
+    assert tasks == {"a.json"}  # shown as its base name, found by the raw `tasks/a.json`
+    assert page.errors == []
+
+
+def test_the_run_list_says_rollouts_and_mode(server: ViewerServer, page):
+    page.goto(server.url)
+    page.wait_for_selector('#runs .run[data-run="grpo"]')
+    grpo = page.inner_text('#runs .run[data-run="grpo"] .run-meta')
+    assert grpo == "20 rollouts, tokens mode"
+    mixed = page.inner_text('#runs .run[data-run="mixed"] .run-meta')
+    assert mixed.startswith("17 rollouts: ") and mixed.endswith(" mode") and "2 text" in mixed
+
+
+def test_every_column_sorts_and_a_meta_key_becomes_a_column(server: ViewerServer, page):
+    page.goto(f"{server.url}?run=grpo&view=rollouts")
+    page.wait_for_selector("tr.rollout")
+    for sort in ("paths", "trainable", "status", "stop_reason"):
+        page.click(f'.grid.rollouts th[data-sort="{sort}"]')
+        page.wait_for_function(f"new URL(location).searchParams.get('sort') === '{sort}'")
+        page.wait_for_selector(f'.grid.rollouts th.sorted[data-sort="{sort}"]')
+    assert query(page)["order"] == "asc"  # text columns start ascending
+    stops = [row.inner_text() for row in page.locator("tr.rollout td:nth-child(10)").all()]
+    assert stops == sorted(stops) and "agent_timeout" in stops
+    page.click('.grid.rollouts th[data-sort="paths"]')
+    page.wait_for_function("new URL(location).searchParams.get('sort') === 'paths'")
+    page.wait_for_function("document.querySelector('tr.rollout td:nth-child(6)').innerText === '2'")
+
+    page.select_option("select.add-col", "repetition_id")
+    page.wait_for_function("new URL(location).searchParams.get('cols') === 'repetition_id'")
+    page.click('.grid.rollouts th[data-sort="meta.repetition_id"]')
+    page.wait_for_function("new URL(location).searchParams.get('sort') === 'meta.repetition_id'")
+    page.wait_for_selector(".grid.rollouts th.sorted[data-sort='meta.repetition_id']")
+    values = [c.inner_text() for c in page.locator("tr.rollout td.meta-col").all()]
+    assert values == sorted(values, key=int) and values[0] == "0"
+    page.click(".grid.rollouts th[data-sort='meta.repetition_id'] .col-remove")
+    page.wait_for_function("new URL(location).searchParams.get('cols') === null")
+    assert page.locator("td.meta-col").count() == 0
+    assert page.errors == []
+
+
+def test_the_mask_strip_shows_every_path(server: ViewerServer, page):
+    forked = grpo_id(1, "a", 0, 0)
+    page.goto(f"{server.url}?run=grpo&view=rollouts")
+    page.wait_for_selector(f'tr.rollout[data-id="{forked}"]')
+    assert page.locator(f'tr.rollout[data-id="{forked}"] .strips .strip').count() == 2
+    single = grpo_id(1, "a", 1, 0)
+    assert page.locator(f'tr.rollout[data-id="{single}"] .strips .strip').count() == 1
+
+
+def test_an_expected_unbridged_call_says_why(server: ViewerServer, page):
+    page.goto(f"{server.url}?run=mixed&view=rollouts&open={MIXED['unbridged_resample']}")
+    page.wait_for_selector("#drawer:not([hidden]) .dr-flags")
+    chip = page.locator('.dr-flags .flag:text-is("unbridged-expected")')
+    assert chip.count() == 1 and "expected" in chip.get_attribute("title")
+    assert "lvl-info" in chip.get_attribute("class")
+    page.click('.tabs .tab[data-tab="tree"]')
+    page.wait_for_selector(".tree")
+    assert "unbridged (resample)" in page.inner_text(".tree")
+    page.goto(f"{server.url}?run=mixed&view=rollouts&open={MIXED['unbridged']}")
+    page.wait_for_selector("#drawer:not([hidden]) .dr-flags")
+    unexplained = page.locator('.dr-flags .flag:text-is("unbridged")')
+    assert "lvl-warn" in unexplained.get_attribute("class")
+    assert "worth a look" in unexplained.get_attribute("title")
+    assert page.errors == []
+
+
+def test_an_open_trajectory_says_how_to_finish_it(server: ViewerServer, page):
+    page.goto(f"{server.url}?run=mixed&view=rollouts&open={MIXED['open']}")
+    note = page.wait_for_selector("#drawer:not([hidden]) .open-note")
+    assert f"POST /trajectories/{MIXED['open']}/finish" in note.inner_text()
+    page.goto(f"{server.url}?run=mixed&view=rollouts&open={MIXED['text_linear']}")
+    page.wait_for_selector("#drawer:not([hidden]) .dr-head")
+    assert page.locator(".open-note").count() == 0
+    assert page.errors == []
+
+
 def test_skycap_view_of_an_s3_mirror_lists_and_opens_records(
     server: ViewerServer, page, s3, tmp_path: Path
 ) -> None:

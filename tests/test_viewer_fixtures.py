@@ -305,6 +305,13 @@ def write_mixed(record_dir: Path) -> None:
     b.model(tool, "done", bridged=False)
     b.write(record_dir)
 
+    # A resample renders in full, as expected: the flag says why instead of warning.
+    b = Build(_mixed("unbridged_resample", 17))
+    user = b.client(None, "hello")
+    b.model(user, "hi")
+    b.model(user, "hello again", bridged=False, sampling={"temperature": 0.3})
+    b.write(record_dir)
+
     # A re-tokenized copy of model node 1 (same match hash, client-authored), continued by a
     # call written before `bridged` existed: unbridged-inferred and bridged-unknown.
     b = Build(_mixed("inferred", 8))

@@ -128,3 +128,51 @@ def test_rollouts_health_sort_puts_errors_first_and_ignores_bridged_unknown():
     table = rollouts_table(rollouts, build_groups(rollouts, ("step",)), Query(sort="health"))
     assert [r["id"] for r in table["rows"]] == ["error", "warns", "quiet"]
     assert table["rows"][2]["flags"] == []
+
+
+def test_reward_colours_span_the_run_and_the_task_filter_reads_raw_meta():
+    rollouts = [
+        summary("a", task="tasks/alpha.json", annotations={"reward": 0.0}),
+        summary("b", task="tasks/alpha.json", annotations={"reward": 0.5}),
+        summary("c", task="tasks/beta.json", instance_id="inst-9", annotations={"reward": 1.0}),
+    ]
+    groups = build_groups(rollouts, ("task",))
+    table = rollouts_table(rollouts, groups, parse_query({"task": "tasks/alpha"}))
+    assert [r["id"] for r in table["rows"]] == ["a", "b"]
+    assert table["reward_range"] == {"min": 0.0, "max": 1.0}  # not the rows' 0..0.5
+    assert [
+        r["id"] for r in rollouts_table(rollouts, groups, parse_query({"task": "inst-9"}))["rows"]
+    ] == ["c"]
+    assert [r["task"] for r in table["rows"]] == ["alpha.json", "alpha.json"]
+    grouped = groups_table(rollouts, groups, parse_query({"task": "alpha"}))
+    assert grouped["reward_range"] == {"min": 0.0, "max": 1.0}
+
+
+def test_every_column_sorts_and_meta_keys_become_columns():
+    rollouts = [
+        summary("a", created=1, seed=3, annotations={"stop_reason": "timeout"}),
+        summary("b", created=2, seed=10, annotations={"stop_reason": "complete"}),
+        summary("c", created=3, seed="x"),
+    ]
+    rollouts[0].paths, rollouts[1].paths, rollouts[2].paths = 2, 1, 3
+    rollouts[0].trainable, rollouts[1].trainable = 5, 9
+    rollouts[2].status = "open"
+    groups = build_groups(rollouts, ("step",))
+
+    def order(**params: str) -> list[str]:
+        return [r["id"] for r in rollouts_table(rollouts, groups, parse_query(params))["rows"]]
+
+    assert order(sort="paths") == ["c", "a", "b"]
+    assert order(sort="trainable") == ["b", "a", "c"]  # nulls last
+    assert order(sort="status") == ["b", "a", "c"]  # text ascending, ties newest first
+    assert order(sort="stop_reason") == ["b", "a", "c"]
+    assert order(sort="meta.seed") == ["a", "b", "c"]  # numbers before text
+    assert order(sort="meta.seed", order="desc") == ["c", "b", "a"]
+    table = rollouts_table(rollouts, groups, parse_query({}))
+    assert table["meta_keys"] == ["seed"] and table["rows"][0]["meta"] == {"seed": "x"}
+    import pytest
+
+    from skycap.viewer.groups import QueryError
+
+    with pytest.raises(QueryError, match=r"sort by one of .*stop_reason or meta.<key>"):
+        parse_query({"sort": "meta."})

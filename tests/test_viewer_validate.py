@@ -305,3 +305,23 @@ def test_check_directory_counts_documents_and_limits_lines(tmp_path: Path):
         (tmp_path / f"{tid(n)}.json.zst").write_bytes(b"x")
     report = check_directory(tmp_path, limit=2)
     assert (report.documents, report.bad, len(report.lines)) == (3, 3, 2)
+
+
+def test_a_folder_of_runs_is_validated_run_by_run_and_an_empty_one_is_an_error(
+    tmp_path: Path, capsys
+):
+    runs = tmp_path / "runs"
+    token_record(runs / "step-1", n=1)
+    token_record(runs / "step-2", n=2)
+    token_record(runs / "step-2", n=3)
+    code, out, _ = run_cli(capsys, str(runs))
+    assert (code, out.splitlines()) == (
+        0,
+        [
+            f"{runs / 'step-1'}: 1 documents, 0 with problems",
+            f"{runs / 'step-2'}: 2 documents, 0 with problems",
+        ],
+    )
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_cli(capsys, str(tmp_path / "empty"))
+    assert (code, out) == (2, "") and "no records in" in err and "no *.json.zst" in err

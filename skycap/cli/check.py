@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from skycap.linearity import Linearity
 
 HELP = "Report whether recorded trajectories are linear, and why each fork happened."
 
@@ -22,8 +28,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],  # without it argparse calls the optional ids "required" in its errors
         help="trajectories to check (default: all)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per trajectory (id, status, paths, causes, forks) per line "
+        "(default: text)",
+    )
+    parser.add_argument(
+        "--forks-only",
+        action="store_true",
+        help="list only trajectories that fork or cannot be read (default: all)",
+    )
     add_storage_options(parser)
     parser.set_defaults(check_parser=parser)
+
+
+#: From this many trajectories on, the summary line also comes first, before the list.
+SUMMARY_FIRST = 20
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> int:
@@ -51,6 +72,7 @@ def _selected_ids(args: argparse.Namespace, record_dir: Path) -> list[str] | str
 
 
 def run(args: argparse.Namespace) -> int:
+    from skycap.cli.folders import Progress
     from skycap.cli.sources import SourceError, record_dir
     from skycap.linearity import MalformedDocument, analyse, summary_line
     from skycap.record.reader import RecordError, document_path, read_document
@@ -66,25 +88,55 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(ids, str):
         return _usage_error(args, ids)
 
-    reports = []
-    unreadable = 0
-    for trajectory_id in ids:
-        try:
-            report = analyse(read_document(document_path(directory, trajectory_id)))
-        except RecordError as exc:
-            reason = str(exc)
-        except MalformedDocument as exc:
-            reason = str(exc)
-        except (OSError, ValueError, TypeError) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-        else:
-            report.id = trajectory_id
-            reports.append(report)
-            print("\n".join(report.lines()))
-            continue
-        unreadable += 1
-        print(f"{trajectory_id}  unreadable: {reason}")
-    print(summary_line(reports, unreadable))
+    reports: list[Linearity] = []
+    unreadable: dict[str, str] = {}
+    with Progress("skycap check", len(ids)) as progress:
+        for trajectory_id in ids:
+            progress.step()
+            try:
+                report = analyse(read_document(document_path(directory, trajectory_id)))
+            except (RecordError, MalformedDocument) as exc:
+                unreadable[trajectory_id] = str(exc)
+            except (OSError, ValueError, TypeError) as exc:
+                unreadable[trajectory_id] = f"{type(exc).__name__}: {exc}"
+            else:
+                report.id = trajectory_id
+                reports.append(report)
+    by_id = {r.id: r for r in reports}
+    shown = [i for i in ids if not args.forks_only or i in unreadable or not by_id[i].linear]
+    summary = summary_line(reports, len(unreadable))
+    if args.json:
+        for trajectory_id in shown:
+            if trajectory_id in unreadable:
+                line = {"id": trajectory_id, "error": unreadable[trajectory_id]}
+            else:
+                line = as_json(by_id[trajectory_id])
+            print(json.dumps(line))
+    else:
+        if len(ids) >= SUMMARY_FIRST:
+            print(summary)
+        for trajectory_id in shown:
+            if trajectory_id in unreadable:
+                print(f"{trajectory_id}  unreadable: {unreadable[trajectory_id]}")
+            else:
+                print("\n".join(by_id[trajectory_id].lines()))
+        print(summary)
     if unreadable:
         return 2
     return 0 if all(r.linear for r in reports) else 1
+
+
+def as_json(report: Linearity) -> dict[str, Any]:
+    """One trajectory of `--json`: its shape, its fork causes counted, and each fork."""
+    return {
+        "id": report.id,
+        "status": report.status,
+        "paths": report.paths,
+        "linear": report.linear,
+        "causes": dict(Counter(fork.cause for fork in report.forks)),
+        "forks": [
+            {"node": f.node, "parent": f.parent, "vs": f.vs, "cause": f.cause, "detail": f.detail}
+            for f in report.forks
+        ],
+        "unbridged_calls": report.unbridged_calls,
+    }

@@ -31,10 +31,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--mode",
         choices=["auto", "tokens", "text"],
         default="auto",
-        help="auto: token mode when the bundled Qwen3 tokenizer is installed, else text",
+        help="auto: token mode when the bundled Qwen3 tokenizer is installed, else text "
+        "(default auto)",
     )
     parser.add_argument(
-        "--record-dir", type=Path, default=Path("records"), help="where records are written"
+        "--record-dir",
+        type=Path,
+        default=Path("records"),
+        help="where records are written (default ./records)",
     )
 
 

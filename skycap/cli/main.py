@@ -40,7 +40,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         prog="skycap",
         description="Capture what an LLM policy saw and sampled while an agent harness runs.",
     )
-    parser.add_argument("--version", action="version", version=f"skycap {version('skycap')}")
+    parser.add_argument("-V", "--version", action="version", version=f"skycap {version('skycap')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands = {}
     for name, module_name in _available().items():
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    args.argv = argv  # a supervisor (`serve --workers`) re-runs its own command line
     module = importlib.import_module(SUBCOMMANDS[args.command])
     try:
         return module.run(args)

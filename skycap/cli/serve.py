@@ -8,21 +8,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from skycap.server.options import ServerOptions
 
 HELP = "Run a capture server between an agent harness and an OpenAI-compatible server."
+DEFAULT_RECORD_DIR = "records"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_RECORDS_LOST = 3
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from skycap.server.options import add_arguments
+    from skycap.server.flags import add_arguments
 
     add_arguments(parser)
+    # D-31: a server keeps its records unless told not to.
+    parser.add_argument(
+        "--no-record-dir",
+        action="store_true",
+        help="keep records in memory only, lost when the server stops (default off: ./records)",
+    )
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="warning",
         help="log level (default warning; info adds one access line per harness call)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N server processes, one event loop each, on ports --port..--port+N-1 "
+        "(proxy ports likewise) with one control token (default 1)",
     )
     parser.set_defaults(serve_parser=parser)
 
@@ -40,11 +59,18 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     parser: argparse.ArgumentParser = args.serve_parser
+    if args.no_record_dir and args.record_dir is not None:
+        parser.error("--record-dir and --no-record-dir exclude each other; give one")
+    values = vars(args)
+    if not args.no_record_dir and args.record_dir is None:
+        values = {**values, "record_dir": DEFAULT_RECORD_DIR}
     try:
-        options = from_values(vars(args))
+        options = from_values(values)
     except (ValueError, TypeError, ImportError) as exc:
         parser.error(str(exc))
     log = logging.getLogger("skycap.server")
+    if args.workers != 1:
+        return _supervise(args, options, parser)
 
     def ready(url: str) -> None:
         settle_garbage_collector()
@@ -71,10 +97,16 @@ def run(args: argparse.Namespace) -> int:
                 f"HTTPS_PROXY listener on {options.host}:{addon.proxy.port} "
                 f"(CA bundle {addon.proxy.ca.bundle})"
             )
+        lines.append(records_line(options))
         print("\n".join(lines), file=sys.stderr, flush=True)
+        if options.record_dir is None:
+            log.warning(
+                "--no-record-dir: records are kept in memory only and are lost when the "
+                "server stops; fetch them with finish or GET /trajectories/{id} first"
+            )
         if options.binds_beyond_loopback:
             log.warning(
-                "listening on %s: other machines can reach the harness routes%s (D-6)",
+                "listening on %s: other machines can reach the harness routes%s",
                 options.host,
                 "" if options.require_api_key else " without a trajectory key (--require-api-key)",
             )
@@ -118,3 +150,47 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_RECORDS_LOST
     return 0
+
+
+def _supervise(
+    args: argparse.Namespace, options: ServerOptions, parser: argparse.ArgumentParser
+) -> int:
+    """`--workers N`: check the flags once here, then run N ordinary servers."""
+    from skycap.cli.workers import supervise
+
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give a number of servers >= 1")
+    if options.port == 0 or options.proxy_port == 0:
+        parser.error("--workers needs fixed ports: give --port (and --proxy-port) other than 0")
+    n, ports = args.workers, range(options.port, options.port + args.workers)
+    if ports[-1] > 65535 or (options.proxy_port or 0) + n - 1 > 65535:
+        parser.error(f"--workers {n}: the ports run past 65535; give a lower --port/--proxy-port")
+    if options.proxy_port is not None and set(ports) & set(
+        range(options.proxy_port, options.proxy_port + n)
+    ):
+        parser.error(
+            f"--workers {n} uses ports {ports[0]}..{ports[-1]} and proxy ports "
+            f"{options.proxy_port}..{options.proxy_port + n - 1}, which overlap; move "
+            "--proxy-port out of that range"
+        )
+    argv: list[str] = args.argv
+    return supervise(
+        argv[argv.index("serve") + 1 :],
+        workers=args.workers,
+        host=options.host,
+        port=options.port,
+        proxy_port=options.proxy_port,
+        control_token_given=args.control_token_env is not None,
+        control_token_off=bool(args.no_control_token),
+        record_dir=options.record_dir,
+    )
+
+
+def records_line(options: Any) -> str:
+    """Where records go and when idle trajectories end, for the start line (D-31)."""
+    if options.record_dir is None:
+        return "records: memory only (--no-record-dir); idle trajectories never expire"
+    return (
+        f"records: {options.record_dir}; a trajectory idle for {options.ttl:g} s is ended "
+        "as abandoned and written (--ttl)"
+    )

@@ -24,9 +24,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from skycap.cli.sources import add_storage_options
 
     parser.add_argument(
-        "dirs", metavar="DIR", nargs="+", help="record directories or mirror URLs (s3://...)"
+        "dirs",
+        metavar="DIR",
+        nargs="+",
+        help="record directories, folders of them (one per run, two levels down), or mirror "
+        "URLs (s3://...)",
     )
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print the figures as JSON (default: tables)"
+    )
     add_storage_options(parser)
     parser.set_defaults(summary_parser=parser)
 
@@ -219,17 +225,22 @@ def reward_stats(values: Sequence[float], of: int) -> dict[str, Any]:
 
 def summarise_directory(record_dir: Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
     """(stats, errors) for one directory; unreadable documents become errors, never exceptions."""
+    from skycap.cli.folders import Progress
     from skycap.linearity import MalformedDocument
     from skycap.record.reader import RecordError, document_path, read_document, record_ids
 
     rows, errors = [], []
-    for trajectory_id in record_ids(record_dir):
-        try:
-            rows.append(document_stats(read_document(document_path(record_dir, trajectory_id))))
-        except (RecordError, MalformedDocument) as exc:
-            errors.append({"id": trajectory_id, "error": str(exc)})
-        except (OSError, ValueError, TypeError) as exc:
-            errors.append({"id": trajectory_id, "error": f"{type(exc).__name__}: {exc}"})
+    ids = record_ids(record_dir)
+    with Progress(f"skycap summary {record_dir}", len(ids)) as progress:
+        for trajectory_id in ids:
+            progress.step()
+            try:
+                document = read_document(document_path(record_dir, trajectory_id))
+                rows.append(document_stats(document))
+            except (RecordError, MalformedDocument) as exc:
+                errors.append({"id": trajectory_id, "error": str(exc)})
+            except (OSError, ValueError, TypeError) as exc:
+                errors.append({"id": trajectory_id, "error": f"{type(exc).__name__}: {exc}"})
     return directory_stats(rows, len(errors)), errors
 
 
@@ -338,31 +349,39 @@ def _print_tables(results: Sequence[Mapping[str, Any]], elapsed_ms: Sequence[flo
 
 
 def run(args: argparse.Namespace) -> int:
+    from skycap.cli.folders import record_folders
     from skycap.cli.sources import SourceError, record_dir
 
+    parser: argparse.ArgumentParser = args.summary_parser
     local = []
     for d in args.dirs:
         try:
             local.append(record_dir(d, args, sidecars=False))
         except SourceError as exc:
-            parser: argparse.ArgumentParser = args.summary_parser
             parser.print_usage(sys.stderr)
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
             return 2
+    folders = record_folders(list(zip(args.dirs, local, strict=True)))
+    if isinstance(folders, str):
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {folders}", file=sys.stderr)
+        return 2
+    labels = {path: d for d, path in zip(args.dirs, local, strict=True)}
     import skycap.record.reader  # noqa: F401  (imported before the clock starts)
 
     results, elapsed = [], []
-    for d, path in zip(args.dirs, local, strict=True):
+    for folder in folders:
+        label = labels.get(folder, str(folder))  # a mirror URL is named as given
         started = time.perf_counter()
         try:
-            stats, errors = summarise_directory(path)
+            stats, errors = summarise_directory(folder)
         except OSError as exc:
             stats, errors = (
                 directory_stats([], 0),
-                [{"id": "-", "error": f"cannot list {d}: {exc}"}],
+                [{"id": "-", "error": f"cannot list {label}: {exc}"}],
             )
         elapsed.append((time.perf_counter() - started) * 1000)
-        results.append({"dir": d, "stats": stats, "errors": errors})
+        results.append({"dir": label, "stats": stats, "errors": errors})
     if args.json:
         print(json.dumps(results, indent=1))
     else:

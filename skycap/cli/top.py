@@ -10,16 +10,41 @@ import sys
 import time
 from collections.abc import Iterator
 
-HELP = "live dashboard of capture servers: modes, rates, failures and live trajectories"
+HELP = "live dashboard of capture servers: totals, rates, failures, live and ended trajectories"
+SORTS = ("age", "idle", "calls", "nodes", "paths", "unbridged", "failures", "latency")
+
+# Terminal input: escape sequences of the keys `skycap top` uses, longest first.
+_SEQUENCES = {
+    b"\x1b[A": "up",
+    b"\x1bOA": "up",
+    b"\x1b[B": "down",
+    b"\x1bOB": "down",
+    b"\x1b[C": "right",
+    b"\x1bOC": "right",
+    b"\x1b[D": "left",
+    b"\x1bOD": "left",
+    b"\x1b[5~": "pgup",
+    b"\x1b[6~": "pgdn",
+    b"\x1b[H": "home",
+    b"\x1bOH": "home",
+    b"\x1b[1~": "home",
+    b"\x1b[F": "end",
+    b"\x1bOF": "end",
+    b"\x1b[4~": "end",
+}
+_SINGLE = {b"\r": "enter", b"\n": "enter", b"\x7f": "backspace", b"\x08": "backspace"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("urls", nargs="+", metavar="URL", help="capture server base URL")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between polls (default 1)"
+    )
     parser.add_argument(
         "--once",
         action="store_true",
-        help="print one snapshot and exit (status 1 if any server is down)",
+        help="print one snapshot of every live trajectory and exit (status 1 if any server "
+        "is down; default: a live view)",
     )
     parser.add_argument(
         "--control-token-env",
@@ -30,9 +55,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sort",
         default="age",
-        choices=["age", "calls", "nodes", "paths", "unbridged", "failures", "latency"],
-        help="initial sort column (keys a/c/n/p/u/f/l change it live)",
+        choices=SORTS,
+        help="initial sort of live trajectories (default age; keys change it live, ? lists them)",
     )
+    parser.add_argument(
+        "--filter",
+        default="",
+        metavar="WORDS",
+        help="initial filter, e.g. 'task:alpha step:3 status:failed' (default: none; / edits it)",
+    )
+
+
+def parse_keys(data: bytes) -> list[str]:
+    """Key names in a chunk of terminal input: `up`, `enter`, `esc`, or the character."""
+    keys = []
+    i = 0
+    while i < len(data):
+        for sequence, name in _SEQUENCES.items():
+            if data.startswith(sequence, i):
+                keys.append(name)
+                i += len(sequence)
+                break
+        else:
+            byte = data[i : i + 1]
+            if byte == b"\x1b":
+                keys.append("esc")
+            elif byte in _SINGLE:
+                keys.append(_SINGLE[byte])
+            else:
+                keys.append(byte.decode("latin-1"))
+            i += 1
+    return keys
 
 
 @contextlib.contextmanager
@@ -53,9 +106,9 @@ def _cbreak() -> Iterator[bool]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-def _read_key(timeout: float) -> str | None:
+def _read_keys(timeout: float) -> list[str]:
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
-    return os.read(sys.stdin.fileno(), 1).decode(errors="ignore") if ready else None
+    return parse_keys(os.read(sys.stdin.fileno(), 64)) if ready else []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from skycap.dashboard import SORT_KEYS, Poller, render
+    from skycap.dashboard.poll import Poller
+    from skycap.dashboard.view import DETAIL, SORT_NAMES, View, render
 
     token = None
     if args.control_token_env:
@@ -77,28 +131,44 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    sort = next(k for k, (label, _) in SORT_KEYS.items() if label == args.sort)
+    view = View(sort=SORT_NAMES[args.sort], query=args.filter.strip())
     poller = Poller(args.urls, control_token=token)
-    # Scripts read `--once` from a pipe: give them whole rows instead of 80 columns.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         if args.once:
             poller.poll()
-            console.print(render(poller.servers, sort, footer=False))
+            # Scripts read `--once` from a pipe: give them whole rows instead of 80 columns.
+            console = Console() if sys.stdout.isatty() else Console(width=200)
+            console.print(render(poller.servers, view, console.width, None, keys=False))
             # Scripts use --once as a health check: any server down is a failure.
             return 0 if all(server.up for server in poller.servers) else 1
-        with _cbreak() as keys, Live(console=console, screen=False, auto_refresh=False) as live:
+        console = Console()
+
+        def frame() -> object:
+            width, height = console.size
+            return render(poller.servers, view, width, height)
+
+        with (
+            _cbreak() as keys,
+            Live(console=console, screen=True, auto_refresh=False) as live,
+        ):
             while True:
                 poller.poll()
-                live.update(render(poller.servers, sort), refresh=True)
+                if view.screen == DETAIL and view.detail is not None:
+                    view.document = poller.document(view.detail.server, view.detail.id)
+                live.update(frame(), refresh=True)
                 deadline = time.monotonic() + args.interval
                 while (left := deadline - time.monotonic()) > 0:
-                    key = _read_key(left) if keys else time.sleep(left)
-                    if key == "q":
-                        return 0
-                    if key in SORT_KEYS:
-                        sort = key
-                        live.update(render(poller.servers, sort), refresh=True)
+                    if not keys:
+                        time.sleep(left)
+                        break
+                    pressed = _read_keys(left)
+                    for key in pressed:
+                        if not view.key(key):
+                            return 0
+                    if pressed:
+                        if view.screen == DETAIL and view.document is None:
+                            break  # fetch the trajectory now, not at the next poll
+                        live.update(frame(), refresh=True)
     except KeyboardInterrupt:
         return 0
     finally:

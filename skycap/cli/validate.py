@@ -22,13 +22,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from skycap.cli.sources import add_storage_options
 
     parser.add_argument(
-        "dirs", nargs="+", metavar="DIR", help="record directories or mirror URLs to check"
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="record directories, folders of them (one per run, two levels down), or mirror "
+        "URLs to check",
     )
     add_storage_options(parser)
     parser.add_argument(
         "--documents-only",
         action="store_true",
-        help="check documents only, not the sidecar files they list (the fast pass)",
+        help="check documents only, not the sidecar files they list (the fast pass; default "
+        "off: every file is checked)",
     )
     parser.add_argument(
         "--limit",
@@ -40,8 +45,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from skycap.cli.folders import Progress, record_folders
     from skycap.cli.sources import SourceError, record_dir
-    from skycap.viewer.validate import check_directory
+    from skycap.viewer.validate import check_directory, document_ids
 
     local = []
     for directory in args.dirs:
@@ -50,10 +56,23 @@ def run(args: argparse.Namespace) -> int:
         except SourceError as exc:
             print(f"skycap validate: error: {exc}", file=sys.stderr)
             return 2
+    folders = record_folders(list(zip(args.dirs, local, strict=True)))
+    if isinstance(folders, str):
+        print(f"skycap validate: error: {folders}", file=sys.stderr)
+        return 2
+    labels = {path: d for d, path in zip(args.dirs, local, strict=True)}
     bad = 0
-    for directory, path in zip(args.dirs, local, strict=True):
-        report = check_directory(path, sidecars=not args.documents_only, limit=args.limit)
-        report.directory = directory
+    for folder in folders:
+        ids = document_ids(folder)
+        with Progress(f"skycap validate {folder}", len(ids)) as progress:
+            report = check_directory(
+                folder,
+                sidecars=not args.documents_only,
+                limit=args.limit,
+                ids=ids,
+                on_document=progress.step,
+            )
+        report.directory = labels.get(folder, str(folder))  # a mirror URL is named as given
         for line in report.lines + report.footer():
             print(line)
         bad += report.bad

@@ -32,7 +32,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="K1,K2",
         help="keys (meta, then annotations) that make a group (default step,instance_id)",
     )
-    parser.add_argument("--quiet", action="store_true", help="print nothing while serving")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print nothing while serving (default off: print the URL)",
+    )
     parser.add_argument(
         "--refresh",
         type=float,

@@ -5,6 +5,8 @@ and back, so the graph, samples, records, text mode and token mode never see an 
 spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
 
 - `name`: recorded on each call as `dialect` ("chat", "messages", "responses").
+- `reply_id_key`: the call key the reply's id is recorded under (`response_id` for
+  Responses, whose later calls name earlier replies by id), or None.
 - `read(body) -> Request`: check a parsed request body and read it into canonical messages,
   tools and sampling plus the dialect's extras; raises `wire.BodyError` (a 400) on bad input.
   Canonicalisation (D-35) happens here, so both modes hash the same canonical messages.
@@ -44,9 +46,11 @@ class Request:
 
     `body` is the parsed body as sent; `messages` and `tools` are canonical (chat-shaped),
     `sampling` holds the sampling values as sent under their chat names (format.md §8);
-    `extras` carries what only token mode reads (`cache_salt`, `max_prompt_tokens`);
+    `extras` carries what only token mode reads (`cache_salt`, `max_prompt_tokens`, and
+    `token_tools` / `omitted_tools` when token mode renders fewer tools than were sent);
     `token_refusal`, when set, is why token mode cannot run the call (a 400 there; text
-    mode forwards it all the same).
+    mode forwards it all the same); `recorded` holds fields every call of this request
+    records besides the common ones (Responses: `previous_response_id`, `instructions`).
     """
 
     body: dict[str, Any]
@@ -57,6 +61,7 @@ class Request:
     stream: bool
     extras: dict[str, Any] = field(default_factory=dict)
     token_refusal: str | None = None
+    recorded: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +69,10 @@ class ReplyData:
     """What a token-mode reply says, free of any API's shape: the writer's input.
 
     `request` is the call it answers (a writer that reads request options, such as Chat
-    Completions' `stream_options.include_usage`, reads it there); `stop_sequence` is the
-    stop string that ended the reply, if one did (its `finish_reason` is then `stop`).
+    Completions' `stream_options.include_usage`, or echoes request fields, reads it there);
+    `stop_sequence` is the stop string that ended the reply, if one did (its
+    `finish_reason` is then `stop`); `reasoning_tokens` counts the completion's tokens
+    through the end of its thinking.
     """
 
     id: str
@@ -77,6 +84,7 @@ class ReplyData:
     completion_tokens: int
     request: Request | None = None
     stop_sequence: str | None = None
+    reasoning_tokens: int = 0
 
 
 class Assembler(Protocol):
@@ -101,6 +109,7 @@ class Dialect(Protocol):
 
     name: str
     upstream_path: bytes
+    reply_id_key: str | None
 
     def read(self, body: Any) -> Request: ...
 

@@ -279,6 +279,7 @@ class ChatDialect:
 
     name = "chat"
     upstream_path = b"/chat/completions"
+    reply_id_key = None
 
     def read(self, body: Any) -> Request:
         body = check_chat_request(body)

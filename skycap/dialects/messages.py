@@ -411,6 +411,7 @@ class MessagesDialect:
 
     name = "messages"
     upstream_path = b"/messages"
+    reply_id_key = None
 
     def read(self, body: Any) -> Request:
         return read_request(body)

@@ -2,7 +2,8 @@
 
 Every reader (`skycap check`, `summary`, `validate`, `view`, `skycap.load`) reads a
 directory by the rules of format.md §4. A mirror URL is turned into one: its top-level
-`*.zst` files are listed through fsspec and only new or changed files (by size and
+`*.zst` files (and, for the viewer, the run index's `index/<phase>/step-<N>.json`) are
+listed through fsspec and only new or changed files (by size and
 ETag / modification time) are streamed into a cache directory, so a second run, or the
 viewer's next rescan, fetches nothing that has not changed. Files that left the mirror
 leave the cache. A sidecar the mirror never held (an excluded kind) is simply not in the
@@ -31,6 +32,7 @@ CACHE_ENV = "SKYCAP_CACHE_DIR"
 INDEX_NAME = ".skycap-mirror-index.json"
 INCOMING = ".incoming"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_INDEX_FILE = re.compile(r"^index/[A-Za-z0-9_.-]+/step-[0-9]+\.json$")
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -122,13 +124,32 @@ class MirrorCache:
             found[name] = _fingerprint(entry)
         return found
 
-    def refresh(self, *, sidecars: bool = True) -> Path:
-        """Bring the cache up to date (documents only unless `sidecars`); return its path.
+    def index_listing(self) -> dict[str, str]:
+        """Fingerprints of the mirror's run index files, `index/<phase>/step-<N>.json`."""
+        try:
+            entries = self.fs.glob(f"{self.root}/index/*/step-*.json", detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:
+            raise RecordError(f"cannot list {self.label}: {type(exc).__name__}: {exc}") from None
+        found = {}
+        root = self.root.strip("/") + "/"
+        for path, entry in entries.items():
+            name = str(path).lstrip("/").removeprefix(root)
+            if _INDEX_FILE.match(name):
+                found[name] = _fingerprint(entry)
+        return found
+
+    def refresh(self, *, sidecars: bool = True, index: bool = False) -> Path:
+        """Bring the cache up to date (documents only unless `sidecars`; the run index's
+        files too with `index`); return its path.
 
         Sidecars are fetched before documents, as the mirror copies them, so a document in
         the cache finds the sidecars the mirror held when it was listed.
         """
         remote = self.listing()
+        if index:
+            remote.update(self.index_listing())
         wanted = {
             name: stamp
             for name, stamp in remote.items()
@@ -142,7 +163,7 @@ class MirrorCache:
         stale.sort(key=lambda name: name.endswith(DOCUMENT_SUFFIX))
         self._download(stale, wanted)
         for name in list(self._index):
-            if name not in remote:
+            if name not in remote and (index or not name.startswith("index/")):
                 with contextlib.suppress(FileNotFoundError):
                     (self.path / name).unlink()
                 del self._index[name]
@@ -173,11 +194,14 @@ class MirrorCache:
         incoming.mkdir(exist_ok=True)
         sources = [f"{self.root}/{name}" for name in names]
         targets = [str(incoming / name) for name in names]
+        for target in targets:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
         try:
             self.fs.get(sources, targets)
         except Exception as exc:
             raise RecordError(f"cannot read {self.label}: {type(exc).__name__}: {exc}") from None
         for name in names:
+            (self.path / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(incoming / name, self.path / name)
             self._index[name] = stamps[name]
         shutil.rmtree(incoming, ignore_errors=True)

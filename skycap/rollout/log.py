@@ -43,6 +43,7 @@ class AttemptRecord:
     record: RecordLocation | None = None
     superseded: bool = False
     error: str | None = None
+    dropped: bool = False
     started_at: float = field(default_factory=time.time)
     ended_at: float | None = None
 
@@ -72,10 +73,13 @@ def _location_json(location: RecordLocation | None) -> dict[str, Any] | None:
     if location is None:
         return None
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(location):
-        value = getattr(location, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
+    for name in _LOCATION_FIELDS:
+        value = getattr(location, name)
+        out[name] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+_LOCATION_FIELDS = tuple(f.name for f in dataclasses.fields(RecordLocation))
 
 
 class RecordLog:
@@ -118,20 +122,28 @@ class RecordLog:
         """The step's attempts as index rows (format.md §17), each trajectory once.
 
         `trained` is `id in trained_ids` when the trainer says which it trained, else None.
-        Attempts no server accepted have no trajectory and are left out.
+        Attempts no server accepted have no trajectory, and attempts of a dropped batch were
+        never the trainer's: both are left out.
         """
         return [
             e.row(None if trained_ids is None else e.id in trained_ids)
             for e in self.entries(phase, step)
-            if e.id is not None
+            if e.id is not None and not e.dropped
         ]
 
-    def discard(self, phase: str, step: int | None = None) -> list[AttemptRecord]:
-        """Remove and return a phase's attempts (of one step, or all): indexed or dropped."""
+    def discard(
+        self, phase: str, step: int | None = None, *, dropped: bool = False
+    ) -> list[AttemptRecord]:
+        """Remove and return a phase's attempts (of one step, or all): indexed or dropped.
+
+        With `dropped`, only the attempts of dropped batches go (of any step when `step` is
+        None): what a step index discards at the next step instead of indexing it.
+        """
         with self._lock:
             kept, gone = [], []
             for e in self._entries:
                 match = e.phase == phase and (step is None or e.step == step)
+                match = match and (e.dropped or not dropped)
                 (gone if match else kept).append(e)
             self._entries = kept
         return gone

@@ -215,15 +215,28 @@ class RolloutRunner:
             for repetition in range(repeats):
                 jobs.append(_Job(index, prompt, instance_id, task, repetition, step, phase, params))
         slots = asyncio.Semaphore(self.concurrency)
-        with BatchProgress(f"{phase} step {step}", len(jobs), self.progress) as progress:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._rollout(job, slots, progress)) for job in jobs]
+        opened: list[AttemptRecord] = []
+        try:
+            with BatchProgress(f"{phase} step {step}", len(jobs), self.progress) as progress:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(self._rollout(job, slots, progress, opened))
+                        for job in jobs
+                    ]
+        except BaseException:  # cancelled or broken: the caller gets no batch to train on
+            for entry in opened:
+                entry.dropped = True
+            raise
         return [task.result() for task in tasks]
 
     # -- one prompt and repetition ---------------------------------------------------------
 
     async def _rollout(
-        self, job: _Job, slots: asyncio.Semaphore, progress: BatchProgress
+        self,
+        job: _Job,
+        slots: asyncio.Semaphore,
+        progress: BatchProgress,
+        opened: list[AttemptRecord],
     ) -> RolloutResult:
         for attempt in range(self.attempts):
             if attempt:
@@ -239,6 +252,7 @@ class RolloutRunner:
                     meta=self._meta(job, attempt),
                 )
             )
+            opened.append(entry)
             async with slots:
                 try:
                     outcome = await self._attempt(job, entry)

@@ -29,6 +29,7 @@ from skycap.certs import ensure_ca
 from skycap.dialects import Dialect
 from skycap.dialects.chat import DIALECT as CHAT_DIALECT
 from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
+from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
 from skycap.server import options as options_module
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
@@ -59,15 +60,28 @@ HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "
 RECORD = "record"
 CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
 MESSAGES, COUNT_TOKENS, RESPONSES = "messages", "count-tokens", "responses"
+RESPONSE_GET, COMPACT = "response-get", "compact"  # GET …/v1/responses/{id}; …/compact
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture (D-38)
 #: Model-call route kinds and the dialect that reads and answers each (D-29).
-CALL_DIALECTS: dict[str, Dialect] = {CHAT: CHAT_DIALECT, MESSAGES: MESSAGES_DIALECT}
-HARNESS_KINDS = frozenset({*CALL_DIALECTS, COUNT_TOKENS, RESPONSES, MODELS, HARNESS_MISS})
-#: The Responses API is routed (so it is never passed through) but not captured yet.
-RESPONSES_REFUSAL = (
-    "the Responses API (/v1/responses) is not captured by this skycap server yet; point the "
-    "harness at Chat Completions or Anthropic Messages"
+CALL_DIALECTS: dict[str, Dialect] = {
+    CHAT: CHAT_DIALECT,
+    MESSAGES: MESSAGES_DIALECT,
+    RESPONSES: RESPONSES_DIALECT,
+}
+HARNESS_KINDS = frozenset(
+    {*CALL_DIALECTS, COUNT_TOKENS, RESPONSE_GET, COMPACT, MODELS, HARNESS_MISS}
+)
+#: D-40: remote compaction is a model call skycap does not run yet; refused, never forwarded.
+COMPACT_REFUSAL = (
+    "POST /v1/responses/compact (remote compaction) is not captured by skycap: the "
+    "compacted history would be an opaque item no one could train on. Let the harness "
+    "compact with ordinary /v1/responses calls (Codex does so with a model provider whose "
+    "base_url is the trajectory's)"
+)
+WEBSOCKET_REFUSAL = (
+    "skycap does not capture the Responses API over WebSocket: use HTTPS (POST "
+    "/v1/responses); Codex falls back to it on this answer"
 )
 # An answer larger than this is dropped once sent (mitmproxy's stream state would keep it).
 LARGE_ANSWER = 1 << 20
@@ -81,7 +95,7 @@ _NAMED = {
             ("v1/messages", "POST"): MESSAGES,
             ("v1/messages/count_tokens", "POST"): COUNT_TOKENS,
             ("v1/responses", "POST"): RESPONSES,
-            ("v1/responses/compact", "POST"): RESPONSES,
+            ("v1/responses/compact", "POST"): COMPACT,
             ("v1/models", "GET"): MODELS,
         },
         HARNESS_MISS,
@@ -97,6 +111,9 @@ _ACCESS_TAILS = {
     CHAT: "chat/completions",
     MESSAGES: "messages",
     COUNT_TOKENS: "messages/count_tokens",
+    RESPONSES: "responses",
+    RESPONSE_GET: "responses/{id}",
+    COMPACT: "responses/compact",
     MODELS: "models",
 }
 
@@ -109,7 +126,7 @@ def route(method: str, path: str) -> tuple[str, str | None]:
             trajectory_id, _, tail = path[len(prefix) :].partition("/")
             kind = kinds.get((tail, method))
             if kind is None and other == HARNESS_MISS and tail.startswith("v1/responses/"):
-                kind = RESPONSES if method == "GET" else None  # GET a stored response (D-40)
+                kind = RESPONSE_GET if method == "GET" else None  # a stored response (D-40)
             return (other, None) if kind is None else (kind, trajectory_id)
     if path == "/healthz" and method == "GET":
         return HEALTH, None
@@ -134,13 +151,15 @@ def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
             return MESSAGES
         if path.endswith("/v1/messages/count_tokens"):
             return COUNT_TOKENS
-        if path.endswith(("/v1/responses", "/v1/responses/compact")):
+        if path.endswith("/v1/responses"):
             return RESPONSES
+        if path.endswith("/v1/responses/compact"):
+            return COMPACT
     if method == "GET":
         if path.endswith("/models"):
             return MODELS
         if "/v1/responses/" in path:
-            return RESPONSES
+            return RESPONSE_GET
     return REFUSED if model_api_host else PASS
 
 
@@ -155,7 +174,25 @@ def dialect_of(flow: http.HTTPFlow, kind: str) -> Dialect:
         return dialect
     if kind == COUNT_TOKENS or "anthropic-version" in flow.request.headers:
         return MESSAGES_DIALECT
+    if kind in (RESPONSE_GET, COMPACT):
+        return RESPONSES_DIALECT
     return CHAT_DIALECT
+
+
+def _responses_websocket(flow: http.HTTPFlow) -> bool:
+    """Refuse a WebSocket upgrade to a Responses path (Codex's `wss://…/v1/responses`).
+
+    Codex tries the WebSocket first; a 426 makes it fall back to HTTPS at once, where a
+    404 or 403 makes it retry five times first (docs/proxy.md). True when refused.
+    """
+    request = flow.request
+    if request.headers.get("upgrade", "").lower() != "websocket":
+        return False
+    if "/v1/responses" not in request.path.partition("?")[0]:
+        return False
+    logger.info("refused a WebSocket upgrade to %s%s", request.host, request.path)
+    harness_error(flow, 426, WEBSOCKET_REFUSAL, "websocket_not_supported", RESPONSES_DIALECT)
+    return True
 
 
 def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
@@ -349,6 +386,8 @@ class SkycapAddon:
         except ProxyAuthRequired as refused:
             flow.response = refused.response()
             return ANSWERED, None
+        if _responses_websocket(flow):
+            return ANSWERED, trajectory_id
         kind = proxy_route(
             flow.request.method, flow.request.path, self.proxy.model_api_host(flow.request.host)
         )
@@ -372,6 +411,8 @@ class SkycapAddon:
             self._release_answered(flow.client_conn.id)  # HTTP/1: earlier answers are sent
         if self.proxy is not None and self.proxy.serves(flow):
             kind, trajectory_id = await self._proxy_route(flow)
+        elif _responses_websocket(flow):
+            kind, trajectory_id = ANSWERED, None
         else:
             kind, trajectory_id = route(flow.request.method, flow.request.path)
         flow.metadata[ROUTE] = (kind, trajectory_id)
@@ -411,9 +452,14 @@ class SkycapAddon:
             _refuse(flow, kind, 413, too_large_message(len(raw), self.options.max_body_size))
         elif kind in CALL_DIALECTS or kind == MODELS or kind == COUNT_TOKENS:
             await self._harness(flow, kind, trajectory_id, raw)
-        elif kind == RESPONSES:
-            logger.info("refused %s %s: not captured yet", flow.request.method, flow.request.path)
-            harness_error(flow, 404, RESPONSES_REFUSAL, "route_not_captured")
+        elif kind == COMPACT:
+            logger.info("refused %s %s: not captured", flow.request.method, flow.request.path)
+            harness_error(flow, 400, COMPACT_REFUSAL, "route_not_captured", RESPONSES_DIALECT)
+        elif kind == RESPONSE_GET:
+            assert trajectory_id is not None
+            proxied = flow.metadata.get(PROXIED, False)
+            response_id = flow.request.path.partition("?")[0].rpartition("/")[2]
+            await self.harness.stored_response(flow, trajectory_id, proxied, response_id)
         elif kind == HARNESS_MISS:
             path = flow.request.path.partition("?")[0]
             message = f"no route {flow.request.method} {path}"
@@ -459,7 +505,7 @@ class SkycapAddon:
         if kind == CREATE:
             return self.control.create(raw, self._origin(flow))
         if kind == LIST:
-            return self.control.listing()
+            return self.control.listing(flow.request.query.get("ended"))
         if kind == FINISH:
             assert trajectory_id is not None
             return await self.control.finish(trajectory_id, raw)
@@ -503,7 +549,7 @@ class SkycapAddon:
                 call.harness_left()
             elif self.text is not None:
                 kind = flow.metadata.get(ROUTE, (None,))[0]
-                if kind == MODELS or kind == COUNT_TOKENS:
+                if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):
                     self.text.on_forward_error(flow, dialect_of(flow, kind))
         _release_request_body(flow)
         if access_log.isEnabledFor(logging.INFO):

@@ -7,6 +7,7 @@ Every control route needs the control token as `Authorization: Bearer <token>` (
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,6 +58,21 @@ def _is_harness_key(value: bytes | None) -> bool:
     return value is not None and value.startswith(KEY_PREFIX.encode("ascii"))
 
 
+#: Set by the `skycap serve --workers N` supervisor: every worker's control port, so that
+#: `/healthz` names its siblings and `skycap top` given one worker shows them all.
+WORKER_PORTS_VARIABLE = "SKYCAP_WORKER_PORTS"
+
+
+def _worker_ports() -> list[int] | None:
+    value = os.environ.get(WORKER_PORTS_VARIABLE)
+    if not value:
+        return None
+    try:
+        return [int(port) for port in value.split(",")]
+    except ValueError:
+        return None
+
+
 class Control:
     """The control routes over one store, behind the control token when there is one."""
 
@@ -66,6 +82,7 @@ class Control:
         self.store = store
         self.proxy = proxy
         self._token = None if token is None else token.encode("ascii")
+        self._workers = _worker_ports()
 
     def credential(self, fields: Iterable[tuple[bytes, bytes]]) -> str:
         """What the request's `Authorization` (or a harness's `x-api-key`) presents.
@@ -102,11 +119,20 @@ class Control:
         health = self.store.health()
         if self.proxy is not None:
             health["proxy"] = self.proxy.health()
+        if self._workers is not None:
+            health["workers"] = {"ports": self._workers}
         # D-44: a record that cannot be written makes the server unhealthy.
         return Answer.json(200 if health["ok"] else 503, health)
 
-    def listing(self) -> Answer:
-        return Answer.json(200, self.store.listing())
+    def listing(self, ended: str | None = None) -> Answer:
+        """`GET /trajectories` (live, D-7) or `?ended=recent` (the ring of D-49)."""
+        if ended is None:
+            return Answer.json(200, self.store.listing())
+        if ended != "recent":
+            return Answer.error(
+                400, f"`ended` must be `recent` (the last trajectories ended), got {ended!r}"
+            )
+        return Answer.json(200, self.store.recent())
 
     def create(self, raw: bytes, origin: str) -> Answer:
         """`origin` is `scheme://host[:port]` as the trainer reached us (D-9)."""

@@ -20,8 +20,10 @@ from skycap.dialects import Dialect
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.messages import DIALECT as MESSAGES
 from skycap.dialects.messages import models_listing
+from skycap.dialects.responses import DIALECT as RESPONSES
 from skycap.server.keys import authorized, bearer_key, key_matches, raw_header
 from skycap.server.options import ServerOptions
+from skycap.server.responses import UnknownResponse, place
 from skycap.server.retry import Conflict, Entry, Replay, call_key
 from skycap.server.store import SHUTTING_DOWN, UNKNOWN, Live, TrajectoryStore
 from skycap.server.textmode import TextCall, TextMode
@@ -33,7 +35,7 @@ logger = logging.getLogger("skycap.server")
 _JSON = ((b"content-type", b"application/json"),)
 NO_UPSTREAM = (
     "no --upstream-url configured: this server forwards only calls made through its proxy "
-    "port (D-8)"
+    "port; start it with --upstream-url to take /t/{id}/v1 calls"
 )
 
 
@@ -48,9 +50,10 @@ def harness_error(
     message: str,
     code: str | None = None,
     dialect: Dialect = CHAT,
+    param: str | None = None,
 ) -> None:
     """Answer with the error body the caller's SDK reads, in its dialect (http.md §1, D-36)."""
-    respond(flow, status, dialect.error(status, message, code))
+    respond(flow, status, dialect.error(status, message, code, param))
 
 
 class Harness:
@@ -125,8 +128,13 @@ class Harness:
             return None
         try:
             request = dialect.read(parse_json_body(raw))
+            if dialect is RESPONSES:
+                place(live.trajectory, request, token_mode=self.text is None)
         except BodyError as exc:
-            harness_error(flow, 400, str(exc), None, dialect)
+            harness_error(flow, 400, str(exc), None, dialect, exc.param)
+            return None
+        except UnknownResponse as exc:
+            harness_error(flow, 404, str(exc), None, dialect, "previous_response_id")
             return None
         entry = await self._deduplicate(flow, live, raw, dialect)
         if entry is None:
@@ -135,6 +143,24 @@ class Harness:
             return await self.text.call(flow, live, request, entry, dialect)
         await self._token_call(flow, live, request, entry, dialect)
         return None
+
+    async def stored_response(
+        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, response_id: str
+    ) -> None:
+        """`GET …/v1/responses/{id}`: the upstream's (text), or the reply answered (tokens)."""
+        live = await self._admit(flow, trajectory_id, proxied, RESPONSES)
+        if live is None:
+            return
+        live.touch()
+        if self.text is not None:
+            self.text.forward(flow, RESPONSES.upstream_path + b"/" + response_id.encode())
+            return
+        body = self.backend.stored_reply(trajectory_id, response_id)
+        if body is None:
+            message = f"Response with id '{response_id}' not found in trajectory {trajectory_id}"
+            harness_error(flow, 404, message, None, RESPONSES)
+        else:
+            respond(flow, 200, body)
 
     async def _admit(
         self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect

@@ -168,7 +168,7 @@ class Proxy:
         logger.info("proxy: refused %s for %s: not a captured model route", route, trajectory_id)
         message = (
             f"skycap does not capture {route}: on a model-API host only model calls "
-            "(chat/completions, v1/messages, v1/messages/count_tokens, models) are "
+            "(chat/completions, v1/messages, v1/messages/count_tokens, v1/responses, models) are "
             "captured, and any other route is refused rather than forwarded with the "
             "harness's key"
         )

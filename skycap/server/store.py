@@ -8,8 +8,10 @@ A per-trajectory lock serialises finish, the TTL sweep and shutdown writes (D-13
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
 import socket
 import time
 import weakref
@@ -56,6 +58,9 @@ from skycap.trajectory import (
 from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
+#: Set by the `skycap serve --workers N` supervisor, which replays the crash journals once
+#: before its workers start (D-44): the workers then do not race to replay them.
+JOURNALS_REPLAYED_VARIABLE = "SKYCAP_JOURNALS_REPLAYED"
 
 UNKNOWN = "unknown trajectory"
 # Why a trajectory in memory takes no more calls though its status is unchanged (D-44).
@@ -68,6 +73,8 @@ REPLAYED = (
 RETRY_INTERVAL = 5.0
 # How many ended trajectories' context_length_exceeded flags a server remembers (ids only).
 CONTEXT_EXCEEDED_KEPT = 100_000
+#: Trajectories ended in this process that `GET /trajectories?ended=recent` lists (D-49).
+RECENT_ENDED = 256
 Release = Callable[[str], Awaitable[None]]
 DecodeSpans = Callable[..., Any]
 
@@ -85,6 +92,7 @@ class Live:
         "last_call",
         "calls",
         "unwritten",
+        "counted_failures",
         "closed",
         "__weakref__",
     )
@@ -100,6 +108,8 @@ class Live:
         self.last_call: dict[str, Any] | None = None
         self.calls = sum(len(node.calls) for node in trajectory.graph)
         self.unwritten = False
+        # Failures already in `failures_total`: one read back from disk counts none again.
+        self.counted_failures = len(trajectory.failures)
         # Why it takes no more calls while its status stays as it is (D-44), else None.
         self.closed: str | None = None
 
@@ -177,7 +187,9 @@ class TrajectoryStore:
             self.mirror = RecordMirror(options.record_mirror, options.mirror_config)
         self.calls_total = 0
         self.tokens_total = 0
-        self.failures_total = 0
+        self._failures_total = 0
+        self.ended_total = 0
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_ENDED)
 
     # -- lookup and creation -----------------------------------------------------------------
 
@@ -268,9 +280,23 @@ class TrajectoryStore:
 
     def note_failure(self, live: Live, status: int | None, error: str) -> None:
         """Append a failure while the trajectory is open (a sealed one records none)."""
-        if live.trajectory.is_open:
-            live.trajectory.add_failure(status, error)
-            self.failures_total += 1
+        live.trajectory.add_failure(status, error)
+
+    @property
+    def failures_total(self) -> int:
+        """Failures recorded in this process, however they were added (text, token mode).
+
+        Counted from the trajectories themselves, so no call path can skip the counter.
+        """
+        for live in self._live.values():
+            self._count_failures(live)
+        return self._failures_total
+
+    def _count_failures(self, live: Live) -> None:
+        added = len(live.trajectory.failures) - live.counted_failures
+        if added > 0:
+            self._failures_total += added
+            live.counted_failures += added
 
     # -- finish (http.md §2.3, D-13) -------------------------------------------------------------
 
@@ -332,6 +358,8 @@ class TrajectoryStore:
         changed = ended_now or sampled_now or trajectory.annotations != before
         try:
             record = await self._settle(trajectory, live, changed, keep=failure is not None)
+            if ended_now:
+                self._note_ended(trajectory, live, record)
             if failure is not None:
                 return Answer.error(500, str(failure), "path_rule_failed")
             return Answer(200, await asyncio.to_thread(_finish_body, trajectory, rows, record))
@@ -377,7 +405,9 @@ class TrajectoryStore:
     def _forget(self, trajectory: Trajectory) -> None:
         """Drop a written (or unrecordable) trajectory from memory, keeping its one
         memory-only fact, `context_length_exceeded`, for a later finish."""
-        self._live.pop(trajectory.id, None)
+        live = self._live.pop(trajectory.id, None)
+        if live is not None:
+            self._count_failures(live)
         if trajectory.context_length_exceeded:
             self._context_exceeded[trajectory.id] = None
             if len(self._context_exceeded) > CONTEXT_EXCEEDED_KEPT:
@@ -509,31 +539,30 @@ class TrajectoryStore:
         return Answer.json(200, self._location(trajectory_id))
 
     def listing(self) -> list[dict[str, Any]]:
-        """The live trajectories, newest first, with the fields of D-7."""
+        """The live trajectories, newest first, with the fields of D-7 and D-49."""
         now = time.time()
-        rows = []
-        for live in sorted(
-            self._live.values(), key=lambda x: x.trajectory.created_at, reverse=True
-        ):
-            trajectory = live.trajectory
-            graph = trajectory.graph
-            rows.append(
-                {
-                    "id": trajectory.id,
-                    "status": trajectory.status,
-                    "meta": trajectory.meta,
-                    "created_at": trajectory.created_at,
-                    "age_s": round(now - trajectory.created_at, 3),
-                    "calls": live.calls,
-                    "nodes": len(graph),
-                    "paths": sum(1 for node in graph if not node.children),
-                    "unbridged_calls": trajectory.unbridged_calls(),
-                    "failures": len(trajectory.failures),
-                    "last_activity": live.last_activity,
-                    "last_call": live.last_call,
-                }
-            )
-        return rows
+        lives = sorted(self._live.values(), key=lambda x: x.trajectory.created_at, reverse=True)
+        return [_row(live, now) for live in lives]
+
+    def recent(self) -> list[dict[str, Any]]:
+        """`GET /trajectories?ended=recent`: the last trajectories ended here, newest first."""
+        return list(reversed(self._recent))
+
+    def _note_ended(
+        self, trajectory: Trajectory, live: Live | None, record: dict[str, Any] | None
+    ) -> None:
+        """Remember a trajectory that ended now (finish or TTL) for `recent()` (D-49)."""
+        if live is None:  # read back from disk: it ended in an earlier process
+            return
+        self.ended_total += 1
+        now = time.time()
+        row = _row(live, now)
+        row["ended_at"] = now
+        row["annotations"] = dict(trajectory.annotations)
+        # Where the record is: None while it is in memory (no record dir, or a failed write
+        # that is retried at the next finish or at shutdown).
+        row["record"] = record
+        self._recent.append(row)
 
     def unwritten(self) -> list[str]:
         """Ids of trajectories whose record could not be written yet (D-44)."""
@@ -549,6 +578,7 @@ class TrajectoryStore:
             "calls_total": self.calls_total,
             "tokens_total": self.tokens_total,
             "failures_total": self.failures_total,
+            "ended_total": self.ended_total,
         }
         if self.mirror is not None:
             health["record_mirror"] = self.mirror.health()
@@ -572,14 +602,10 @@ class TrajectoryStore:
         runs on the loop, blocking it, at start: a call or finish that arrives meanwhile
         waits and then finds the record, rather than a 404.
         """
-        if self.record_dir is None:
-            return
-        record_dir = self.record_dir
-
-        def write(trajectory: Trajectory) -> None:
-            write_record(trajectory, record_dir, decode_spans=self._decode_spans)
-
-        replayed = replay_journals(record_dir, write)
+        if self.record_dir is None or os.environ.get(JOURNALS_REPLAYED_VARIABLE) == "1":
+            return  # a `serve --workers` supervisor replayed them once, before its workers
+        # Through _write_files, so a replayed record reaches the mirror like any other.
+        replayed = replay_journals(self.record_dir, lambda t: self._write_files(t, False))
         for trajectory in replayed.unwritten:
             live = self._adopt(trajectory)
             live.unwritten = True
@@ -632,10 +658,14 @@ class TrajectoryStore:
         trajectory.seal(ABANDONED)
         trajectory.ended = True
         await self._release_engine(trajectory.id)
-        if await self._write(trajectory) is None:
+        files = await self._write(trajectory)
+        if files is None:
             live.unwritten = True
         else:
             self._forget(trajectory)
+        self._note_ended(
+            trajectory, live, None if files is None else self._location(trajectory.id, files)
+        )
         logger.info("trajectory %s ended by the idle TTL as %s", trajectory.id, trajectory.status)
 
     def close_to_calls(self) -> None:
@@ -697,6 +727,31 @@ class TrajectoryStore:
 SHUTDOWN_FAILURE = "the server shut down before the call's reply arrived"
 #: D-39: a trajectory that ends with nothing captured says so.
 NO_CALLS_WARNING = "no model call was captured"
+
+
+def _row(live: Live, now: float) -> dict[str, Any]:
+    """One `GET /trajectories` row (D-7, D-49)."""
+    trajectory = live.trajectory
+    graph = trajectory.graph
+    failures = trajectory.failures
+    last = failures[-1] if failures else None
+    return {
+        "id": trajectory.id,
+        "status": trajectory.status,
+        "meta": trajectory.meta,
+        "created_at": trajectory.created_at,
+        "age_s": round(now - trajectory.created_at, 3),
+        "calls": live.calls,
+        "nodes": len(graph),
+        "paths": sum(1 for node in graph if not node.children),
+        "unbridged_calls": trajectory.unbridged_calls(),
+        "failures": len(failures),
+        "last_failure": None if last is None else {"at": last["t"], "message": last["error"]},
+        "last_activity": live.last_activity,
+        # A call in flight waits on the model, not on the harness: not idle (nor swept).
+        "idle_s": 0.0 if live.inflight else round(max(0.0, now - live.last_activity), 3),
+        "last_call": live.last_call,
+    }
 
 
 def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | None) -> bytes:

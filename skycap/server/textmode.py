@@ -191,7 +191,7 @@ class TextCall:
         self.client_conn = flow.client_conn
         self.relay_path = b""
         self.live = live
-        self.request = request
+        self.request: Request | None = request
         self.entry = entry
         self.dialect = dialect
         self.t_start = time.time()
@@ -254,7 +254,6 @@ class TextCall:
         self.live.touch()
         self.request = None  # type: ignore[assignment]  # the parsed body can be large
         self.body = []
-        self.body = {}
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
@@ -282,7 +281,14 @@ class TextCall:
             return False
         return bool(self.client_conn.state & ConnectionState.CAN_WRITE)
 
-    def _commit(self, reply: dict[str, Any], finish_reason: Any, usage: Any, saw_end: bool) -> bool:
+    def _commit(
+        self,
+        reply: dict[str, Any],
+        finish_reason: Any,
+        usage: Any,
+        saw_end: bool,
+        reply_id: Any = None,
+    ) -> bool:
         call = {
             "t_start": self.t_start,
             "t_end": time.time(),
@@ -291,9 +297,13 @@ class TextCall:
             "usage": usage if isinstance(usage, dict) else None,
             "finish_reason": finish_reason if isinstance(finish_reason, str) else None,
             "dialect": self.dialect.name,
+            **self.request.recorded,
         }
         if not saw_end:
             call["harness_saw_end"] = False  # D-52: committed after the harness went away
+        key = self.dialect.reply_id_key
+        if key is not None and isinstance(reply_id, str):
+            call[key] = reply_id  # the upstream's id, which later calls may name (D-40)
         try:
             node = commit_text_call(self.live.trajectory, self.request, reply, call)
         except Exception as exc:  # a reply that cannot be hashed is a failure, not a crash
@@ -366,11 +376,13 @@ class TextCall:
             self._fail(status, _text(response))
         else:
             try:
-                message, finish_reason, usage = self.dialect.reply_message(_read_reply(response))
+                parsed = _read_reply(response)
+                message, finish_reason, usage = self.dialect.reply_message(parsed)
             except ValueError as problem:
                 self._fail(None, f"unreadable reply: {problem}")
             else:
-                if self._commit(message, finish_reason, usage, self._harness_saw_end()):
+                saw_end = self._harness_saw_end()
+                if self._commit(message, finish_reason, usage, saw_end, parsed.get("id")):
                     replay = Replay.of(status, fields, body)
         self._end(replay)
         self._answer(response)
@@ -427,7 +439,8 @@ class TextCall:
         except StreamError as exc:
             self._fail(None, str(exc))
         else:
-            committed = self._commit(message, finish_reason, assembler.usage, saw_end)
+            reply_id = getattr(assembler, "reply_id", None)
+            committed = self._commit(message, finish_reason, assembler.usage, saw_end, reply_id)
             if committed and not saw_end:
                 replay = Replay.of(200, fields, b"".join(self.body))
         self.body = []

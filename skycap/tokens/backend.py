@@ -104,12 +104,14 @@ class _TurnFailed(Exception):
 
 @dataclass
 class _TrajectoryState:
-    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18)
-    and the last committed turn's token lists for the next plan (D-27)."""
+    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18),
+    the last committed turn's token lists for the next plan (D-27), and the replies a
+    dialect with reply ids answered, for `GET …/v1/responses/{id}` (D-40)."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     experts_shape: tuple[int, ...] | None = None
     last_turn: TurnLists | None = None
+    replies: dict[str, bytes] = field(default_factory=dict)
 
 
 class TokenBackend:
@@ -169,6 +171,7 @@ class TokenBackend:
             tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
         )
         self._stop_token_ids = list(self._pool.primary.stop_token_ids)
+        self._think_end: int | None = getattr(self._pool.primary, "think_end_id", None)
         self._states: dict[str, _TrajectoryState] = {}
 
     @classmethod
@@ -228,7 +231,8 @@ class TokenBackend:
         state: _TrajectoryState,
     ) -> Reply:
         t_start = time.time()
-        tools = request.tools
+        # A dialect whose tools a template cannot all express renders fewer (D-29).
+        tools = request.extras["token_tools"] if "token_tools" in request.extras else request.tools
         served = await self.served.on_call(self._list_models)
         model = served or model_key(request.model)
         plan = await self._plan(
@@ -257,13 +261,19 @@ class TokenBackend:
             "finish_reason": reason,
             "dialect": dialect.name,
             **_call_extras(request.body, output, stop),
+            **request.recorded,
         }
+        if request.extras.get("omitted_tools"):
+            call["omitted_tools"] = request.extras["omitted_tools"]
+        reply_id = dialect.reply_id()
+        if dialect.reply_id_key is not None:
+            call[dialect.reply_id_key] = reply_id
         status = self._commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
         answered = answered_message(
             stored, use_raw_content=self.use_raw_content, reasoning_field=self.reasoning_field
         )
         data = ReplyData(
-            id=dialect.reply_id(),
+            id=reply_id,
             created=int(time.time()),
             model=self._answered_model(request),
             message=answered,
@@ -272,7 +282,10 @@ class TokenBackend:
             completion_tokens=len(output.completion_ids),
             request=request,
             stop_sequence=None if stop is None else stop.stop,
+            reasoning_tokens=_reasoning_tokens(output.completion_ids, self._think_end),
         )
+        if status == "ok" and dialect.reply_id_key is not None:
+            state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id} (D-40)
         reply = self._answer(request, dialect, data, status)
         committed = call if status == "ok" else None
         return Reply(reply.status, reply.headers, reply.body, reply.replayable, committed)
@@ -495,6 +508,11 @@ class TokenBackend:
             payload = dialect.reply_json(data)
         return Reply(200, headers, payload, replayable=status == "ok")
 
+    def stored_reply(self, trajectory_id: str, reply_id: str) -> bytes | None:
+        """A reply this trajectory was answered, by id (`GET …/v1/responses/{id}`), or None."""
+        state = self._states.get(trajectory_id)
+        return None if state is None else state.replies.get(reply_id)
+
     # -- other routes and lifecycle -------------------------------------------------------
 
     async def count_tokens(self, request: Request, dialect: Dialect) -> int | Reply:
@@ -544,6 +562,16 @@ class TokenBackend:
         slot like any other renderer work.
         """
         return self._pool.call(lambda r: r.decode_spans(token_ids, context))
+
+
+def _reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> int:
+    """The completion's tokens through the end of its thinking (Responses usage), or 0."""
+    if think_end is None:
+        return 0
+    for position, token in enumerate(completion_ids):
+        if token == think_end:
+            return position + 1
+    return 0
 
 
 def _turn_lists(

@@ -203,6 +203,11 @@ class LibraryRenderer:
             )
         self._think_end = _single_token_id(self._tokenizer, "</think>")
 
+    @property
+    def think_end_id(self) -> int | None:
+        """The `</think>` token's id, when the tokenizer has it as one token."""
+        return self._think_end
+
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> Rendered:
         """Full render with the generation prompt."""
         _reject_media(messages)
@@ -406,6 +411,7 @@ class _MemoTokenizer:
     def __call__(self, text: Any, *args: Any, **kwargs: Any) -> Any:
         """A memoised call answers a BatchEncoding of fresh lists, without Rust encodings."""
         if _memoisable(text, args, kwargs, _OFFSETS_KEYWORDS):
+            quiet_transformers_import()
             from transformers import BatchEncoding
 
             return BatchEncoding({key: list(value) for key, value in self._offsets(text)})
@@ -468,7 +474,23 @@ def _single_token_id(tokenizer: Any, text: str) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' import-time notice that PyTorch is missing: token mode only
+    tokenizes, so the notice would teach users to ignore skycap's own warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def quiet_transformers_import() -> None:
+    """Install the filter once, before transformers is first imported (it logs at import)."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNotice) for f in logger.filters):
+        logger.addFilter(_NoTorchNotice())
+
+
 def _load_tokenizer(name: str) -> Any:
+    quiet_transformers_import()
     from renderers.base import load_tokenizer
 
     try:
@@ -543,6 +565,7 @@ def _create_library_renderer(
     the library's DefaultRenderer, which returns tool calls as raw text (an agent then stops
     after one turn). `--renderer default` asks for that renderer explicitly.
     """
+    quiet_transformers_import()
     from renderers.base import create_renderer
     from renderers.configs import config_from_name
 

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from skycap.linearity import MalformedDocument, forks
+
 ERROR, WARN, INFO = "error", "warn", "info"
 
 # viewer.md §3, in display order: flag -> level.
@@ -31,6 +33,7 @@ FLAG_LEVELS: dict[str, str] = {
     "no-logprobs": ERROR,
     "unbridged": WARN,
     "unbridged-inferred": WARN,
+    "unbridged-expected": INFO,
     "replayed": WARN,
     "no-train": WARN,
     "empty": WARN,
@@ -164,6 +167,7 @@ class Derived:
     targets: dict[int, int]
     token_mode: bool
     _counts: list[PathCounts] | None = None
+    _unbridged: dict[int, str | None] | None = None
 
     @property
     def counts(self) -> list[PathCounts]:
@@ -388,7 +392,9 @@ def rollout_flags(document: Mapping[str, Any], derived: Derived, present: set[st
         "failed-calls": bool(as_list(document.get("failures"))),
         "incomplete": document.get("ended") is False or document.get("status") == "open",
         "no-logprobs": derived.token_mode and any(c.trainable > c.logprobs for c in counts),
-        "unbridged": any(call.get("bridged") is False for call in calls),
+        "unbridged": any(cause is None for cause in unbridged_causes(derived).values()),
+        "unbridged-expected": bool(unbridged_causes(derived))
+        and all(cause is not None for cause in unbridged_causes(derived).values()),
         "unbridged-inferred": bridged_absent and bool(inferred_unbridged(derived)),
         "replayed": any(
             not is_model(node) and node.get("role") == "assistant" for node in derived.nodes
@@ -401,6 +407,62 @@ def rollout_flags(document: Mapping[str, Any], derived: Derived, present: set[st
         "bridged-unknown": bridged_absent,
     }
     return [flag for flag in FLAG_LEVELS if holds.get(flag)]
+
+
+#: Why a call after a fork or a switch of branch renders its prompt in full (expected).
+OTHER_BRANCH = "after a call on another branch"
+
+
+def unbridged_causes(derived: Derived) -> dict[int, str | None]:
+    """Model node with an unbridged call -> why its prompt was rendered in full, or None.
+
+    Bridging extends the previous call's exact tokens, so a call whose history forked since
+    the last model node (a resample, a compaction, an edited reply: the fork's cause as
+    `skycap check` names it) or whose previous call was on another branch renders in full,
+    as expected. None means no such reason: an unexpected re-render worth a look.
+    """
+    if derived._unbridged is not None:
+        return derived._unbridged
+    nodes, parents = derived.nodes, derived.parents
+    try:
+        fork_cause = {f.node: f.cause for f in forks({"nodes": nodes})}
+    except (MalformedDocument, KeyError, TypeError, ValueError):
+        fork_cause = {}
+    order = sorted(
+        (call.get("t_start"), i)
+        for i, node in enumerate(nodes)
+        if is_model(node)
+        for call in calls_of(node)
+        if isinstance(call.get("t_start"), int | float)
+    )
+    causes: dict[int, str | None] = {}
+    for i, node in enumerate(nodes):
+        unbridged = [c for c in calls_of(node) if c.get("bridged") is False]
+        if not is_model(node) or not unbridged:
+            continue
+        cause = None
+        current: int | None = i
+        while current is not None and cause is None:
+            cause = fork_cause.get(current)
+            parent = parents[current]
+            current = None if parent is None or is_model(nodes[parent]) else parent
+        if cause is None:
+            start = unbridged[0].get("t_start")
+            before = [j for t, j in order if isinstance(start, int | float) and t < start]
+            if before and before[-1] not in _ancestors(parents, i):
+                cause = OTHER_BRANCH
+        causes[i] = cause
+    derived._unbridged = causes
+    return causes
+
+
+def _ancestors(parents: list[int | None], node: int) -> set[int]:
+    found = set()
+    current = parents[node]
+    while current is not None:
+        found.add(current)
+        current = parents[current]
+    return found
 
 
 def health_score(flags: list[str]) -> int:
@@ -452,10 +514,11 @@ def node_signs(derived: Derived) -> dict[int, list[str]]:
     signs: dict[int, list[str]] = {}
     copies = retokenized_copies(derived)
     inferred = set(inferred_unbridged(derived))
+    causes = unbridged_causes(derived)
     for i, node in enumerate(derived.nodes):
         found = []
-        if any(call.get("bridged") is False for call in calls_of(node)):
-            found.append("unbridged")
+        if i in causes:
+            found.append("unbridged" if causes[i] is None else f"unbridged ({causes[i]})")
         if i in inferred:
             found.append("unbridged (inferred)")
         if i in copies:

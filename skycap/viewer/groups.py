@@ -2,7 +2,7 @@
 
 Groups follow viewer.md §4 (keys, repetitions, attempts, superseded rollouts, modal size,
 group flags); the tables follow §5 (server-side sort with nulls last, 100 rows a page, a
-health band counted before the flag filter, reward colours over the filtered listing).
+health band counted before the flag filter, reward colours over the whole run).
 """
 
 from __future__ import annotations
@@ -16,7 +16,23 @@ from typing import Any
 from skycap.viewer.derive import FLAG_LEVELS, GROUP_FLAGS, QUIET_FLAGS, as_number
 from skycap.viewer.index import Summary, group_value
 
-SORTS = ("step", "task", "reward", "turns", "tokens", "health", "created")
+SORTS = (
+    "step",
+    "task",
+    "reward",
+    "turns",
+    "tokens",
+    "health",
+    "created",
+    "paths",
+    "trainable",
+    "status",
+    "stop_reason",
+)
+#: `sort=meta.<key>` sorts by that meta key (numbers before text, nulls last).
+META_SORT = "meta."
+#: Meta keys offered as rollouts-table columns, at most this many (the most common first).
+META_KEYS_LISTED = 40
 ORDERS = ("asc", "desc")
 PAGE_SIZE = 100
 DEFAULT_GROUP_BY = ("step", "instance_id")
@@ -54,9 +70,10 @@ def parse_group_by(text: str) -> tuple[str, ...]:
 def parse_query(params: Mapping[str, str], group_by: tuple[str, ...] = DEFAULT_GROUP_BY) -> Query:
     """A Query from URL parameters (first value each); bad values raise QueryError."""
     sort = params.get("sort") or None
-    if sort is not None and sort not in SORTS:
-        raise QueryError(f"unknown sort {sort!r}; sort by one of {', '.join(SORTS)}")
-    order = params.get("order") or ("asc" if sort == "task" else "desc")
+    if sort is not None and sort not in SORTS and not _meta_sort(sort):
+        raise QueryError(f"unknown sort {sort!r}; sort by one of {', '.join(SORTS)} or meta.<key>")
+    textual = sort in ("task", "status", "stop_reason") or _meta_sort(sort)
+    order = params.get("order") or ("asc" if textual else "desc")
     if order not in ORDERS:
         raise QueryError(f"unknown order {order!r}; send asc or desc")
     try:
@@ -94,7 +111,7 @@ def matches(summary: Summary, query: Query) -> bool:
         steps = {as_number(p) for p in query.step.split(",")}
         if summary.step not in steps:
             return False
-    if query.task is not None and query.task.lower() not in (summary.task or "").lower():
+    if query.task is not None and not matches_task(summary, query.task):
         return False
     if query.status is not None and summary.status != query.status:
         return False
@@ -103,6 +120,18 @@ def matches(summary: Summary, query: Query) -> bool:
         if key not in summary.annotations or group_value(summary.annotations[key]) != value:
             return False
     return query.q is None or query.q in summary.search
+
+
+def _meta_sort(sort: str | None) -> bool:
+    return sort is not None and sort.startswith(META_SORT) and len(sort) > len(META_SORT)
+
+
+def matches_task(summary: Summary, wanted: str) -> bool:
+    """The task filter: the shown task, or the raw `task`, `task_id` or `instance_id` in meta
+    (so `tasks/alpha` finds a task shown as `alpha`)."""
+    wanted = wanted.lower()
+    names = [summary.task, *(summary.meta.get(k) for k in ("task", "task_id", "instance_id"))]
+    return any(wanted in str(name).lower() for name in names if name is not None)
 
 
 def reward_mean(rewards: Iterable[float | None]) -> float | None:
@@ -153,7 +182,7 @@ class Group:
             return len(self.flags) + sum(self.rollout_flags().values())
         if sort == "created":
             return _max(s.created_at for s in self.members)
-        if sort in ("turns", "tokens"):
+        if sort in ("turns", "tokens", "paths", "trainable"):
             return _max(rollout_value(s, sort) for s in self.counting)
         return rollout_value(self.counting[0], sort)
 
@@ -164,6 +193,10 @@ def _max(values: Iterable[Any]) -> Any:
 
 
 def rollout_value(summary: Summary, sort: str) -> Any:
+    if _meta_sort(sort):
+        return _sortable(summary.meta.get(sort[len(META_SORT) :]))
+    if sort == "stop_reason":
+        return _sortable(summary.stop_reason)
     if sort == "created":
         return summary.created_at
     if sort == "health":
@@ -239,6 +272,15 @@ def _group_flags(group: Group, modal: int) -> list[str]:
     return [flag for flag in GROUP_FLAGS if holds[flag]]
 
 
+def _sortable(value: Any) -> tuple[int, Any] | None:
+    """A meta or annotation value made comparable: numbers first, then text; else None."""
+    number = as_number(value) if not isinstance(value, str) else None
+    if number is not None:
+        return (0, number)
+    text = group_value(value)
+    return None if text is None else (1, text)
+
+
 def sort_items(items: list[Any], value: Callable[[Any], Any], order: str) -> list[Any]:
     """Stable sort by `value`, nulls last in either order (ties keep the incoming order)."""
     present = [item for item in items if value(item) is not None]
@@ -267,6 +309,14 @@ def health_band(flag_sets: Iterable[Iterable[str]]) -> list[dict[str, Any]]:
     ]
 
 
+def meta_keys(summaries: Iterable[Summary]) -> list[str]:
+    """The meta keys with a scalar value somewhere in the run, most common first."""
+    counts = Counter(
+        key for s in summaries for key, value in s.meta.items() if group_value(value) is not None
+    )
+    return [key for key, _ in counts.most_common(META_KEYS_LISTED)]
+
+
 def rollout_row(summary: Summary, groups: GroupSet) -> dict[str, Any]:
     row = summary.row()
     group = groups.of.get(summary.id)
@@ -283,6 +333,7 @@ def rollouts_table(summaries: list[Summary], groups: GroupSet, query: Query) -> 
 
     base = [s for s in summaries if matches(s, query)]
     band = health_band(flags(s) for s in base)
+    # viewer.md §5 as built: reward colours span the run, so a filter does not recolour.
     listed = [s for s in base if query.flag is None or query.flag in flags(s)]
     listed = sort_items(sorted(listed, key=lambda s: s.id), lambda s: s.created_at, "desc")
     if query.sort is not None:
@@ -294,8 +345,9 @@ def rollouts_table(summaries: list[Summary], groups: GroupSet, query: Query) -> 
         "page": min(query.page, pages),
         "pages": pages,
         "health": band,
-        "reward_range": reward_range(listed),
+        "reward_range": reward_range(summaries),
         "groupable": groups.groupable,
+        "meta_keys": meta_keys(summaries),
         "rows": [rollout_row(s, groups) for s in page],
     }
 
@@ -309,7 +361,7 @@ def group_row(group: Group, groups: GroupSet, query: Query) -> dict[str, Any]:
     """One group with its rollouts, each counting one followed by what it supersedes."""
     rewards = group.rewards
     binary = bool(rewards) and all(r in (0.0, 1.0) for r in rewards)
-    inner_sort = query.sort if query.sort in ("reward", "turns", "tokens", "health") else "reward"
+    inner_sort = query.sort if query.sort not in (None, "step", "task") else "reward"
     inner_order = query.order if query.sort == inner_sort else "desc"
     rows = []
     for summary in sort_items(group.counting, lambda s: rollout_value(s, inner_sort), inner_order):
@@ -372,7 +424,7 @@ def groups_table(summaries: list[Summary], groups: GroupSet, query: Query) -> di
         "page": min(query.page, pages),
         "pages": pages,
         "health": band,
-        "reward_range": reward_range(s for g in listed for s in g.counting),
+        "reward_range": reward_range(s for g in groups.groups.values() for s in g.counting),
         "groupable": groups.groupable,
         "group_by": list(query.group_by),
         "modal": groups.modal,

@@ -29,6 +29,10 @@ from skycap.viewer import derive
 from skycap.viewer.validate import DOCUMENT_SUFFIX, document_problems, listed_files, read_document
 
 UNREADABLE = "unreadable"
+#: Characters of a meta value a table row carries.
+META_VALUE_CHARS = 200
+#: Paths whose trained-token strips a rollouts row draws, one above the other.
+STRIPS_SHOWN = 8
 MIRROR_INTERVAL = 30.0
 logger = logging.getLogger("skycap.viewer")
 
@@ -79,8 +83,11 @@ class Summary:
     flags: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     strip: list[list[Any]] = field(default_factory=list)
+    strips: list[list[list[Any]]] = field(default_factory=list)
     listed: dict[str, str] = field(default_factory=dict)
     search: str = ""
+    # The run index's row for this trajectory (format.md §17), when a step.json lists it.
+    indexed: Mapping[str, Any] | None = None
 
     @property
     def reward(self) -> float | None:
@@ -136,6 +143,14 @@ class Summary:
             "flags": [f for f in self.flags if f not in derive.QUIET_FLAGS],
             "problems": len(self.problems),
             "strip": self.strip,
+            "strips": self.strips,
+            # Scalar meta values (any can be a column), long ones cut.
+            "meta": {
+                key: text[:META_VALUE_CHARS]
+                for key, value in self.meta.items()
+                if (text := group_value(value)) is not None
+            },
+            "indexed": self.indexed,
         }
 
 
@@ -187,11 +202,34 @@ def summarise(
         summary.tokens = text_mode_tokens(derived)
     if derived.paths:
         chars = not derive.uses_tokens(derived)
-        summary.strip = derive.strip(derive.path_blocks(derived, 0, chars=chars))
+        summary.strips = [
+            derive.strip(derive.path_blocks(derived, i, chars=chars))
+            for i in range(min(len(derived.paths), STRIPS_SHOWN))
+        ]
+        summary.strip = summary.strips[0]
     summary.flags = derive.rollout_flags(document, derived, present)
     text = orjson.dumps([summary.meta, summary.annotations], default=str).decode()
     summary.search = f"{doc_id} {text}".lower()
     return summary
+
+
+def index_rows(document: Any) -> dict[str, dict[str, Any]]:
+    """What the viewer shows of a run index file (format.md §17): per trajectory id, its
+    phase, step, `trained` and `superseded`. Anything malformed is skipped, never fatal."""
+    if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
+        return {}
+    found = {}
+    for row in document["rows"]:
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+            continue
+        trained = row.get("trained")
+        found[row["id"]] = {
+            "phase": document.get("phase"),
+            "step": document.get("step"),
+            "trained": trained if isinstance(trained, bool) else None,
+            "superseded": row.get("superseded") is True,
+        }
+    return found
 
 
 class Run:
@@ -204,6 +242,41 @@ class Run:
         self.summaries: dict[str, Summary] = {}
         self.version = 0
         self.lock = threading.Lock()
+        # index/<phase>/step-<N>.json files: their stamps and rows, and the merged rows.
+        self._index_files: dict[Path, tuple[tuple[int, int], dict[str, dict[str, Any]]]] = {}
+        self.indexed: dict[str, dict[str, Any]] = {}
+
+    def _rescan_index(self) -> bool:
+        """Re-read changed index files; True when what they say changed."""
+        found: dict[Path, tuple[int, int]] = {}
+        for path in (self.path / "index").glob("*/step-*.json"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            found[path] = (stat.st_mtime_ns, stat.st_size)
+        if found.keys() == self._index_files.keys() and all(
+            self._index_files[p][0] == stamp for p, stamp in found.items()
+        ):
+            return False
+        for path, stamp in found.items():
+            known = self._index_files.get(path)
+            if known is not None and known[0] == stamp:
+                continue
+            try:
+                rows = index_rows(orjson.loads(path.read_bytes()))
+            except (OSError, orjson.JSONDecodeError) as exc:
+                logger.debug("cannot read %s: %s", path, exc)
+                rows = {}
+            self._index_files[path] = (stamp, rows)
+        for path in set(self._index_files) - set(found):
+            del self._index_files[path]
+        merged: dict[str, dict[str, Any]] = {}
+        for _, rows in sorted(self._index_files.values(), key=lambda item: _step_order(item[1])):
+            merged.update(rows)
+        changed = merged != self.indexed
+        self.indexed = merged
+        return changed
 
     def _listing(self) -> tuple[set[str], dict[str, tuple[int, int]]]:
         files: set[str] = set()
@@ -255,7 +328,11 @@ class Run:
                     summary = Summary(id=doc_id, stamp=stamp, problems=[reason])
                 self.summaries[doc_id] = summary
                 changed = True
+            if self._rescan_index():
+                changed = True
             if changed:
+                for doc_id, summary in self.summaries.items():
+                    summary.indexed = self.indexed.get(doc_id)
                 self.version += 1
             return changed
 
@@ -277,6 +354,13 @@ class Run:
             "modes": modes,
             "version": self.version,
         }
+
+
+def _step_order(rows: dict[str, dict[str, Any]]) -> tuple[float, str]:
+    """Index files merge in step order, so a later step's row of an id wins."""
+    first = next(iter(rows.values()), {})
+    step = first.get("step")
+    return (step if isinstance(step, int | float) else -1.0, str(first.get("phase")))
 
 
 def holds_records(path: Path) -> bool:
@@ -362,7 +446,7 @@ class Index:
         at the next interval (the cache keeps what it had)."""
         for mirror in self.mirrors:
             try:
-                mirror.refresh()
+                mirror.refresh(index=True)
             except (RecordError, OSError) as exc:
                 logger.warning("cannot refresh %s: %s", mirror.label, exc)
         self._mirrors_synced_at = time.monotonic()

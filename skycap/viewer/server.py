@@ -160,6 +160,7 @@ class Viewer:
             "paths": [self._path_summary(opened, i, chars) for i in range(len(derived.paths))],
             "branch_points": derived.branch_points,
             "train_once": derive.train_once(document, derived),
+            "indexed": opened.run.summaries[doc_id].indexed,
         }
 
     @staticmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -543,11 +543,19 @@ def check_document(record_dir: Path, doc_id: str, *, sidecars: bool) -> tuple[li
 
 
 def check_directory(
-    record_dir: Path, *, sidecars: bool = True, limit: int = DEFAULT_LIMIT
+    record_dir: Path,
+    *,
+    sidecars: bool = True,
+    limit: int = DEFAULT_LIMIT,
+    ids: list[str] | None = None,
+    on_document: Callable[[], None] | None = None,
 ) -> DirectoryReport:
-    """Every document, and with `sidecars` (the default, D-45) every file it lists."""
+    """Every document (or `ids`), and with `sidecars` (the default) every file it lists;
+    `on_document` after each one."""
     report = DirectoryReport(directory=str(record_dir), sidecars=sidecars)
-    for doc_id in document_ids(record_dir):
+    for doc_id in document_ids(record_dir) if ids is None else ids:
+        if on_document is not None:
+            on_document()
         problems, missing = check_document(record_dir, doc_id, sidecars=sidecars)
         report.documents += 1
         for kind in missing:

@@ -3,7 +3,7 @@
 
 import { getJSON, runPath } from "./api.js";
 import { Drawer } from "./drawer.js";
-import { FILTER_KEYS, readState, tableQuery, writeState } from "./state.js";
+import { FILTER_KEYS, firstOrder, readState, tableQuery, writeState } from "./state.js";
 import { groupsTable, rolloutsTable } from "./tables.js";
 import { el, fill, FLAG_HELP, FLAG_LEVELS, fmtInt } from "./util.js";
 
@@ -72,8 +72,17 @@ function renderRuns() {
   },
   el("span", { class: "run-name" }, run.name),
   el("span", { class: "run-meta muted" },
-    `${fmtInt(run.trajectories)} · ${Object.entries(run.modes).map(([m, n]) => `${m} ${n}`).join(", ")}`,
+    runLabel(run),
     run.unreadable ? el("span", { class: "lvl-error-text" }, ` · ${run.unreadable} unreadable`) : null))));
+}
+
+// "5 rollouts, tokens mode", or with several modes "7 rollouts: 5 tokens, 2 text mode".
+function runLabel(run) {
+  const n = `${fmtInt(run.trajectories)} rollout${run.trajectories === 1 ? "" : "s"}`;
+  const modes = Object.entries(run.modes);
+  if (!modes.length) return n;
+  if (modes.length === 1) return `${n}, ${modes[0][0]} mode`;
+  return `${n}: ${modes.map(([m, k]) => `${fmtInt(k)} ${m}`).join(", ")} mode`;
 }
 
 function syncControls() {
@@ -119,7 +128,7 @@ function renderPager(data) {
 }
 
 function onSort(sort) {
-  const order = state.sort === sort ? (state.order === "asc" ? "desc" : "asc") : (sort === "task" ? "asc" : "desc");
+  const order = state.sort === sort ? (state.order === "asc" ? "desc" : "asc") : firstOrder(sort);
   update({ sort, order, page: null }, { push: true });
 }
 
@@ -133,6 +142,7 @@ function renderTable() {
     onSort,
     onOpen: openRollout,
     onToggle: (key) => update({ group: state.group === key ? null : key }, { push: true }),
+    onColumns: (keys) => update({ cols: keys.join(",") || null }, { push: true }),
   };
   const node = table.view === "groups" ? groupsTable(table, state, handlers) : rolloutsTable(table, state, handlers);
   $("#table").replaceChildren(node);

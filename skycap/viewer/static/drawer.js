@@ -107,7 +107,8 @@ export class Drawer {
         el("b", {}, `${d.problems.length} record problem(s): `),
         el("ul", {}, d.problems.slice(0, 20).map((p) => el("li", {}, p))),
         d.problems.length > 20 ? `… and ${d.problems.length - 20} more (see JSON)` : null) : null,
-      d.warning ? el("div", { class: "warn-box" }, d.warning) : null);
+      d.warning ? el("div", { class: "warn-box" }, d.warning) : null,
+      openNote(d.id, doc));
     this.tabBar = el("nav", { class: "tabs" }, TABS.map((tab) => el("button", {
       class: "tab", dataset: { tab }, onclick: () => this.onState({ tab }),
     }, tab === "json" ? "JSON" : tab[0].toUpperCase() + tab.slice(1))));
@@ -343,4 +344,17 @@ export class Drawer {
       el("h3", {}, "Document"),
       el("pre", { class: "json" }, JSON.stringify(d.document, null, 1)));
   }
+}
+
+// An open trajectory's record is a snapshot: say how it gets finished.
+function openNote(id, doc) {
+  if (doc.status !== "open" && doc.ended !== false) return null;
+  return el("div", { class: "warn-box open-note" },
+    el("b", {}, doc.status === "open" ? "Still open. " : "Not ended. "),
+    "Finish it on its capture server with ",
+    el("code", {}, `POST /trajectories/${id}/finish`),
+    " (in Python: ", el("code", {}, "await trajectory.finish({...})"),
+    "). A server with a record directory ends an idle trajectory as abandoned after its ",
+    el("code", {}, "--ttl"),
+    "; a server that stopped wrote it as it stood, and a finish on a restarted server still completes it.");
 }

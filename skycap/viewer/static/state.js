@@ -3,7 +3,12 @@
 
 export const FILTER_KEYS = ["step", "task", "status", "ann", "q", "flag"];
 const KEYS = ["run", "view", "sort", "order", "page", ...FILTER_KEYS, "group", "open", "tab",
-  "path", "fa", "fb", "group_by"];
+  "path", "fa", "fb", "group_by", "cols"];
+
+// Sorts whose first click is ascending (text); the others start with the largest.
+export function firstOrder(sort) {
+  return ["task", "status", "stop_reason"].includes(sort) || sort.startsWith("meta.") ? "asc" : "desc";
+}
 
 export function readState() {
   const params = new URLSearchParams(location.search);

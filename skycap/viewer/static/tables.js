@@ -5,9 +5,13 @@ import {
   el, flagChip, fmtInt, fmtRange, fmtReward, fmtStep, fmtTime, rewardColor, strip, FLAG_LEVELS,
 } from "./util.js";
 
-function header(columns, state, onSort) {
-  return el("thead", {}, el("tr", {}, columns.map(([label, sort, cls]) => {
+function header(columns, state, onSort, extra = []) {
+  return el("thead", {}, el("tr", {}, columns.map(([label, sort, cls, remove]) => {
     if (!sort) return el("th", { class: cls }, label);
+    const removeButton = remove ? el("button", {
+      type: "button", class: "col-remove", title: `remove the ${label} column`,
+      onclick: (e) => { e.stopPropagation(); remove(); },
+    }, "×") : null;
     const active = state.sort === sort;
     const arrow = active ? (state.order === "asc" ? " ▲" : " ▼") : "";
     return el("th", {
@@ -15,8 +19,34 @@ function header(columns, state, onSort) {
       title: `sort by ${sort}`,
       dataset: { sort },
       onclick: () => onSort(sort),
-    }, label + arrow);
-  })));
+    }, label + arrow, removeButton);
+  }), extra));
+}
+
+// The meta keys shown as columns (the URL's `cols`), in the order chosen.
+function chosenColumns(state) {
+  return (state.cols || "").split(",").filter(Boolean);
+}
+
+// A header cell offering the run's meta keys as more columns.
+function columnChooser(data, state, onColumns) {
+  const chosen = chosenColumns(state);
+  const free = (data.meta_keys || []).filter((key) => !chosen.includes(key));
+  if (!free.length || !onColumns) return [];
+  return [el("th", { class: "add-col" }, el("select", {
+    class: "add-col", title: "show a meta key as a column",
+    onchange: (e) => { if (e.target.value) onColumns([...chosen, e.target.value]); },
+  }, el("option", { value: "" }, "+ column"), free.map((key) => el("option", { value: key }, key))))];
+}
+
+// One thin strip per path (the first STRIPS_SHOWN), so forks show what each path trains.
+function strips(row) {
+  const runs = row.strips && row.strips.length ? row.strips : [row.strip];
+  const more = row.paths > runs.length ? el("span", { class: "muted strips-more" }, `+${row.paths - runs.length}`) : null;
+  return el("span", {
+    class: `strips${runs.length > 1 ? " multi" : ""}`,
+    title: runs.length > 1 ? `${row.paths} paths: one strip each` : null,
+  }, runs.map((r) => strip(r)), more);
 }
 
 function flagList(flags, groupFlags = []) {
@@ -40,12 +70,30 @@ function statusCell(status) {
 
 const ROLLOUT_COLUMNS = [
   ["Rollout", null, "id"], ["Mask", null], ["Tokens", "tokens", "num"],
-  ["Trainable", null, "num"], ["Turns", "turns", "num"], ["Paths", null, "num"],
-  ["Reward", "reward", "num"], ["Flags", "health"], ["Status", null], ["Step", "step", "num"],
-  ["Task", "task"], ["Created", "created"],
+  ["Trainable", "trainable", "num"], ["Turns", "turns", "num"], ["Paths", "paths", "num"],
+  ["Reward", "reward", "num"], ["Flags", "health"], ["Status", "status"],
+  ["Stop reason", "stop_reason"], ["Step", "step", "num"], ["Task", "task"],
+  ["Created", "created"],
 ];
 
-function rolloutRow(row, range, onOpen, { inGroup = false } = {}) {
+// What the run index (index/<phase>/step-N.json) says of a rollout: trained or not, and
+// superseded when the grouping did not already say so.
+function indexMark(indexed, shownSuperseded) {
+  if (!indexed) return null;
+  const where = `${indexed.phase} step ${indexed.step}`;
+  const marks = [];
+  if (indexed.trained === true) {
+    marks.push(el("span", { class: "idx trained", title: `trained in ${where}` }, "trained"));
+  } else if (indexed.trained === false) {
+    marks.push(el("span", { class: "idx untrained", title: `not trained (${where})` }, "not trained"));
+  }
+  if (indexed.superseded && !shownSuperseded) {
+    marks.push(el("span", { class: "idx superseded", title: `superseded in ${where}` }, "superseded"));
+  }
+  return marks.length ? el("span", { class: "idx-marks" }, marks) : null;
+}
+
+function rolloutRow(row, range, onOpen, { inGroup = false, metaKeys = [] } = {}) {
   const problems = row.problems
     ? el("span", { class: "problem-mark", title: `${row.problems} record problem(s)` }, "⚠")
     : null;
@@ -55,8 +103,8 @@ function rolloutRow(row, range, onOpen, { inGroup = false } = {}) {
   const cells = [
     el("td", { class: "id" }, superseded, el("a", {
       href: "#", onclick: (e) => { e.preventDefault(); onOpen(row.id); },
-    }, row.id), problems),
-    el("td", {}, strip(row.strip)),
+    }, row.id), problems, indexMark(row.indexed, !!row.superseded_by)),
+    el("td", {}, strips(row)),
     el("td", { class: "num" }, fmtInt(row.tokens)),
     el("td", { class: "num" }, fmtInt(row.trainable)),
     el("td", { class: "num" }, fmtInt(row.turns)),
@@ -67,9 +115,11 @@ function rolloutRow(row, range, onOpen, { inGroup = false } = {}) {
   ];
   if (!inGroup) {
     cells.push(
+      el("td", { class: "muted" }, row.stop_reason ?? ""),
       el("td", { class: "num" }, fmtStep(row.step)),
       el("td", { class: "task" }, row.task ?? "—"),
       el("td", { class: "time" }, fmtTime(row.created_at)),
+      ...metaKeys.map((key) => el("td", { class: "meta-col" }, (row.meta || {})[key] ?? "—")),
     );
   } else {
     cells.push(el("td", { class: "muted" }, row.stop_reason ?? ""));
@@ -81,13 +131,17 @@ function rolloutRow(row, range, onOpen, { inGroup = false } = {}) {
   }, cells);
 }
 
-export function rolloutsTable(data, state, { onSort, onOpen }) {
-  const body = el("tbody", {}, data.rows.map((row) => rolloutRow(row, data.reward_range, onOpen)));
+export function rolloutsTable(data, state, { onSort, onOpen, onColumns }) {
+  const metaKeys = chosenColumns(state);
+  const columns = [...ROLLOUT_COLUMNS, ...metaKeys.map((key) => [key, `meta.${key}`, "meta-col",
+    () => onColumns(metaKeys.filter((k) => k !== key))])];
+  const body = el("tbody", {}, data.rows.map((row) => rolloutRow(row, data.reward_range, onOpen, { metaKeys })));
   if (!data.rows.length) {
-    body.append(el("tr", {}, el("td", { colspan: ROLLOUT_COLUMNS.length, class: "empty-row" },
+    body.append(el("tr", {}, el("td", { colspan: columns.length, class: "empty-row" },
       "No rollouts match these filters.")));
   }
-  return el("table", { class: "grid rollouts" }, header(ROLLOUT_COLUMNS, state, onSort), body);
+  const extra = columnChooser(data, state, onColumns);
+  return el("table", { class: "grid rollouts" }, header(columns, state, onSort, extra), body);
 }
 
 const GROUP_COLUMNS = [

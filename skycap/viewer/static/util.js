@@ -10,7 +10,8 @@ export const FLAG_HELP = {
   "failed-calls": "some model calls failed and produced no node",
   incomplete: "the trajectory never ended (status open or ended=false)",
   "no-logprobs": "token mode: some trainable tokens have no logprobs",
-  unbridged: "some call re-rendered its prompt instead of extending the previous tokens",
+  unbridged: "some call re-rendered its prompt in full with no fork or branch switch to explain it: worth a look (the Tree tab marks the node)",
+  "unbridged-expected": "calls re-rendered their prompt in full where that is expected: after a fork (resample, compaction, edited reply) or a call on another branch; the Tree tab names each cause",
   "unbridged-inferred": "a re-tokenized copy of a model reply precedes a model call (old record)",
   replayed: "a client-written assistant message is on a path (not sampled by the model)",
   "no-train": "token mode: some path trains zero tokens",
@@ -103,11 +104,11 @@ export const FLAG_LEVELS = {
   "no-signal": "warn", masked: "warn", short: "warn", retried: "info",
   "malformed-record": "error", "tokens-missing": "warn", "failed-calls": "error",
   incomplete: "error", "no-logprobs": "error", unbridged: "warn",
-  "unbridged-inferred": "warn", replayed: "warn", "no-train": "warn", empty: "warn",
+  "unbridged-inferred": "warn", "unbridged-expected": "info", replayed: "warn", "no-train": "warn", empty: "warn",
   truncated: "warn", abandoned: "info", forked: "info", "bridged-unknown": "info",
 };
 
-// A proportional strip of [kind, length] runs: where the first path's tokens train.
+// A proportional strip of [kind, length] runs: where one path's tokens train.
 export function strip(runs, width = 120) {
   const total = runs.reduce((sum, [, n]) => sum + n, 0);
   const bar = el("span", { class: "strip", style: `width:${width}px` });

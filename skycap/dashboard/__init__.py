@@ -1,0 +1,1 @@
+"""`skycap top`: polling servers (`poll`), tables fit to a terminal (`layout`), screens (`view`)."""

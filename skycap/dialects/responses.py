@@ -1,0 +1,89 @@
+"""The OpenAI Responses API as a dialect (D-29): `DIALECT` reads, answers and assembles it.
+
+Reading lives in `responses_read` (input items into canonical chat messages), the
+token-mode writer in `responses_reply`, text mode's reply reader in `responses_stream`.
+What token mode issues is here: a reasoning item whose opaque `encrypted_content` holds
+the reasoning text and names the completion's tokens, so a harness that sends it back
+lands on the exact node (D-35). Each call records its reply's id as `response_id`, which
+is how a later `previous_response_id` finds its place in the graph (D-40).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from skycap.dialects import ReplyData, Request
+from skycap.dialects.responses_read import read_request, reasoning_token
+from skycap.dialects.responses_reply import new_id, response_object, response_sse
+from skycap.dialects.responses_stream import ResponsesAssembler, read_response
+from skycap.hashing import token_digest
+
+
+def responses_error(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> bytes:
+    """The OpenAI error body a Responses client reads (D-36); 404 is `not_found_error`."""
+    if status >= 500:
+        kind = "api_error"
+    elif status == 404:
+        kind = "not_found_error"
+    else:
+        kind = "invalid_request_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+class ResponsesDialect:
+    """The Responses API as a `Dialect` (see skycap.dialects)."""
+
+    name = "responses"
+    upstream_path = b"/responses"
+    reply_id_key = "response_id"
+
+    def read(self, body: Any) -> Request:
+        return read_request(body)
+
+    def reply_message(self, parsed: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+        return read_response(parsed)
+
+    def assembler(self) -> ResponsesAssembler:
+        return ResponsesAssembler()
+
+    def issue(self, message: dict[str, Any], completion_ids: Sequence[int]) -> dict[str, Any]:
+        """Fresh `call_…` ids, and the reasoning item's id and opaque `encrypted_content`.
+
+        Ids are fresh per reply, never derived from the tokens: two replies with the same
+        tokens are still two items to a client (the Agents SDK drops an input item, or a
+        tool call and its output, whose id or `call_id` it has sent before).
+        """
+        out = dict(message)
+        calls = message.get("tool_calls")
+        if calls:
+            out["tool_calls"] = [{**call, "id": new_id("call")} for call in calls]
+        reasoning = message.get("reasoning_content")
+        if reasoning:
+            token = reasoning_token(token_digest(completion_ids), reasoning)
+            out["reasoning_items"] = [{"id": new_id("rs"), "encrypted_content": token}]
+        return out
+
+    def reply_id(self) -> str:
+        return new_id("resp")
+
+    def reply_json(self, reply: ReplyData) -> bytes:
+        return orjson.dumps(response_object(reply))
+
+    def reply_sse(self, reply: ReplyData) -> bytes:
+        return response_sse(reply)
+
+    def error(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> bytes:
+        return responses_error(status, message, code, param)
+
+    def finish_reason(self, canonical_reason: str) -> str:
+        return "incomplete" if canonical_reason == "length" else "completed"
+
+
+DIALECT = ResponsesDialect()

@@ -1,0 +1,371 @@
+"""The OpenAI Responses API read into canonical chat messages and tools (D-29, D-35).
+
+A Responses request carries `instructions` and an `input` that is a string or a list of
+items. Reading turns them into the Chat Completions shaped messages every node stores:
+`message` items become messages of their role, a run of assistant-side items
+(`reasoning`, assistant `message`, `function_call`) becomes one assistant message with
+`reasoning_content`, `reasoning_items`, `content` and `tool_calls`, and each
+`function_call_output` becomes a `role: "tool"` message. Item ids, statuses, annotations
+and other keys that change no token are dropped, so a replayed history hashes the same as
+the reply it came from. The writer (`responses_reply`) produces the inverse, so token
+mode's answers read back to the exact message it stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from skycap.dialects import Request
+from skycap.wire import BodyError, json_type
+
+#: The item types this dialect reads; anything else is refused with a 400 naming it.
+ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
+ROLES = ("user", "system", "developer", "assistant")
+#: Codex's remote compaction items (a request for one, and the opaque result it replays).
+COMPACTION_TYPES = ("compaction_trigger", "compaction")
+#: Token mode's `encrypted_content`: this prefix, then base64url of a small JSON object
+#: holding the reasoning text and the digest of the completion it came from (D-35).
+REASONING_TOKEN_PREFIX = "skycap.r1."
+#: Request keys that ask for server-side features skycap does not provide.
+UNSUPPORTED_KEYS = {
+    "conversation": "conversations are not supported: send the history in `input` "
+    "(or use previous_response_id)",
+    "background": "background responses are not supported: call without `background`",
+    "prompt": "prompt templates are not supported: send `instructions` and `input`",
+}
+#: Request keys read as sampling, with the chat name they are recorded under (format.md §8).
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_output_tokens": "max_tokens",
+}
+
+
+class RequestError(BodyError):
+    """A Responses request skycap refuses (a 400): the message, and `param` the field."""
+
+
+def read_request(body: Any) -> Request:
+    """Check a `POST /v1/responses` body and read it (RequestError when refused).
+
+    `messages` are the instructions (a leading system message) and the input; with
+    `previous_response_id` the server puts the named response's history between them
+    (`with_history`). Tools: function tools in Chat Completions shape, other kinds as sent;
+    `extras["token_tools"]` and `extras["omitted_tools"]` say what token mode renders.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {json_type(body)}")
+    for key, why in UNSUPPORTED_KEYS.items():
+        if body.get(key) not in (None, False):
+            raise RequestError(why, key)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError(
+            f"`instructions` must be a string, got {json_type(instructions)}", "instructions"
+        )
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise RequestError(
+            f"`previous_response_id` must be a response id string, got {previous!r:.80}",
+            "previous_response_id",
+        )
+    for flag in ("stream", "store"):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise RequestError(f"`{flag}` must be a boolean, got {body[flag]!r:.80}", flag)
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise RequestError("`include` must be a list of strings", "include")
+    tools, token_tools, omitted = read_tools(body.get("tools"))
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages += read_input(body.get("input"))
+    extras: dict[str, Any] = {"instructions": bool(instructions)}
+    recorded: dict[str, Any] = {}
+    if previous is not None:
+        extras["previous_response_id"] = recorded["previous_response_id"] = previous
+    if instructions:
+        recorded["instructions"] = True
+    if omitted:
+        extras["token_tools"] = token_tools or None
+        extras["omitted_tools"] = omitted
+    return Request(
+        body=body,
+        messages=messages,
+        tools=tools or None,
+        model=body.get("model"),
+        sampling=read_sampling(body),
+        stream=body.get("stream") is True,
+        extras=extras,
+        token_refusal=token_refusal(body, messages),
+        recorded=recorded,
+    )
+
+
+def with_history(request: Request, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's messages with `history` (a stored response's path, its own
+    instructions left out: they do not carry over) between instructions and input."""
+    head = 1 if request.extras.get("instructions") else 0
+    return request.messages[:head] + history + request.messages[head:]
+
+
+def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's sampling as sent, under the chat names the call records (format.md §8)."""
+    return {chat: body[key] for key, chat in SAMPLING_FIELDS.items() if body.get(key) is not None}
+
+
+def token_refusal(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> str | None:
+    """Why token mode cannot run this request (text mode forwards it all the same), or None."""
+    if any(
+        isinstance(part, dict) and part.get("type") == "image_url"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    ):
+        return (
+            "an input_image was sent; token mode renders text only: send text, or capture "
+            "this harness in text mode"
+        )
+    text = body.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict):
+        kind = text["format"].get("type")
+        if kind not in (None, "text"):
+            return (
+                f"text.format type {kind!r} is not supported in token mode (skycap samples "
+                "unconstrained text): drop `text.format`, or capture this harness in text mode"
+            )
+    if body.get("top_logprobs"):
+        return (
+            "`top_logprobs` is not supported in token mode: the record holds each sampled "
+            "token's logprob; drop `top_logprobs`"
+        )
+    return None
+
+
+def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(canonical tools, the function tools alone, names of the tools left out of those).
+
+    Function tools become Chat Completions tools (what a chat template renders); other
+    kinds (`custom`, `namespace`, `web_search`, …) stay as sent, and are named in the
+    third list, by name or else type, for token mode's `omitted_tools`.
+    """
+    if tools is None:
+        return [], [], []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestError("`tools` must be a list of objects", "tools")
+    canonical: list[dict[str, Any]] = []
+    functions: list[dict[str, Any]] = []
+    omitted: list[str] = []
+    for index, tool in enumerate(tools):
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise RequestError(f"tools[{index}] has no string `type`", f"tools[{index}].type")
+        if kind != "function":
+            name = tool.get("name")
+            omitted.append(name if isinstance(name, str) and name else kind)
+            canonical.append(tool)
+            continue
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise RequestError(
+                f"tools[{index}] is a function tool without a `name`", f"tools[{index}].name"
+            )
+        function = {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+        canonical.append(function)
+        functions.append(function)
+    return canonical, functions, omitted
+
+
+def read_input(value: Any) -> list[dict[str, Any]]:
+    """The `input` (a string or a list of items) as canonical messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise RequestError(
+            f"`input` must be a string or a list of items, got {json_type(value)}", "input"
+        )
+    return read_items(value)
+
+
+def read_items(items: list[Any]) -> list[dict[str, Any]]:
+    """Input or output items as canonical messages (an assistant run becomes one message)."""
+    messages: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the assistant message the current run builds
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object, got {json_type(item)}", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind in COMPACTION_TYPES:
+            raise RequestError(
+                f"{where} is a {kind} item: remote compaction (Codex's default OpenAI "
+                "provider) is not captured by skycap, its result being an opaque item no one "
+                "could train on; give Codex a model provider whose base_url is the "
+                "trajectory's (it then compacts with ordinary calls), or raise "
+                "model_auto_compact_token_limit",
+                f"{where}.type",
+            )
+        if kind not in ITEM_TYPES:
+            raise RequestError(
+                f"{where} has item type {kind!r}, which skycap does not read; supported: "
+                + ", ".join(ITEM_TYPES),
+                f"{where}.type",
+            )
+        if kind == "message" and item.get("role") != "assistant":
+            turn = None
+            messages.append(_message(item, where))
+        elif kind == "function_call_output":
+            turn = None
+            messages.append(_tool_result(item, where))
+        else:
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                messages.append(turn)
+            _fold(turn, kind, item, where)
+    return messages
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise RequestError(
+            f"{where}.role is {role!r}; use one of {', '.join(ROLES)}", f"{where}.role"
+        )
+    return {"role": role, "content": _content(item.get("content"), f"{where}.content")}
+
+
+def _content(value: Any, where: str) -> Any:
+    """A string stays a string; parts become text (one text part is the plain string)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"{where} must be a string or a list of parts", where)
+    parts = [_part(part, f"{where}[{i}]") for i, part in enumerate(value)]
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text", "refusal"):
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise RequestError(f"{where} ({kind}) has no string text", where)
+        return {"type": "text", "text": text}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise RequestError(
+                f"{where} is an input_image without an `image_url` (file ids are not "
+                "supported): send the image as a URL or data URL",
+                where,
+            )
+        image: dict[str, Any] = {"url": url}
+        if part.get("detail") is not None:
+            image["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": image}
+    raise RequestError(
+        f"{where} has content part type {kind!r}; supported: input_text, output_text, "
+        "refusal, input_image",
+        where,
+    )
+
+
+def _tool_result(item: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise RequestError(f"{where} is a function_call_output without a `call_id`", where)
+    output = item.get("output")
+    content = output if isinstance(output, str) else _content(output, f"{where}.output")
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _fold(turn: dict[str, Any], kind: str, item: dict[str, Any], where: str) -> None:
+    """Add one assistant-side item to the run's message."""
+    if kind == "message":
+        content = _content(item.get("content"), f"{where}.content")
+        turn["content"] = _joined(turn["content"], content)
+    elif kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+                raise RequestError(f"{where} is a function_call without a string `{key}`", where)
+        call = {"id": item["call_id"], "type": "function"}
+        call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+        turn.setdefault("tool_calls", []).append(call)
+    else:
+        text = reasoning_text(item, where)
+        if text is not None:
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + text
+        kept = {k: item[k] for k in ("id", "summary", "encrypted_content") if item.get(k)}
+        turn.setdefault("reasoning_items", []).append(kept)
+
+
+def reasoning_text(item: dict[str, Any], where: str) -> str | None:
+    """The reasoning a `reasoning` item stands for: skycap's own token names it exactly;
+    otherwise its `content` texts. A summary is not the reasoning: it stays in
+    `reasoning_items` only."""
+    token = item.get("encrypted_content")
+    if isinstance(token, str) and token.startswith(REASONING_TOKEN_PREFIX):
+        return decode_reasoning_token(token, where)[1]
+    return _texts(item.get("content"))
+
+
+def _texts(parts: Any) -> str | None:
+    if not isinstance(parts, list) or not parts:
+        return None
+    return "".join(
+        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
+
+
+def _joined(before: Any, content: Any) -> Any:
+    """Two message items of one assistant run: their texts in order (D-35's part rules)."""
+    if before is None:
+        return content
+    parts = [p for c in (before, content) for p in (c if isinstance(c, list) else [_text(c)])]
+    return parts
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def reasoning_token(completion_digest: str, text: str) -> str:
+    """Token mode's opaque `encrypted_content`: the reasoning `text` and the digest of the
+    completion's tokens it was sampled in (so it names the exact model node)."""
+    payload = orjson.dumps({"t": completion_digest, "r": text})
+    return REASONING_TOKEN_PREFIX + base64.urlsafe_b64encode(payload).decode("ascii")
+
+
+def decode_reasoning_token(token: str, where: str = "encrypted_content") -> tuple[str, str]:
+    """(completion digest, reasoning text) of a `reasoning_token`; RequestError if damaged."""
+    try:
+        data = orjson.loads(base64.urlsafe_b64decode(token[len(REASONING_TOKEN_PREFIX) :]))
+        digest, text = data["t"], data["r"]
+        if not isinstance(digest, str) or not isinstance(text, str):
+            raise ValueError("wrong types")
+    except (binascii.Error, ValueError, KeyError, TypeError) as exc:
+        raise RequestError(
+            f"{where}: an encrypted_content skycap issued was altered ({exc}); send reasoning "
+            "items back exactly as they were received",
+            where,
+        ) from None
+    return digest, text
+
+
+def check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Every tool result answers a function_call earlier in the history (RequestError if not)."""
+    called: set[str] = set()
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            called.add(call.get("id"))
+        if message.get("role") == "tool" and message.get("tool_call_id") not in called:
+            call_id = message.get("tool_call_id")
+            raise RequestError(
+                f"function_call_output has call_id {call_id!r}, which matches no function_call "
+                "in the history; send the function_call item (or previous_response_id) with it",
+                "input",
+            )

@@ -1,0 +1,108 @@
+"""Text mode's reading of an upstream Responses reply, streamed (SSE events) or JSON.
+
+The recorded reply is the terminal event's response (`response.completed` or
+`response.incomplete`): its `output` items, read as `read_items` reads a replayed
+history, so the reply and its later replay are the same canonical message. Items seen in
+`response.output_item.done` events stand in when a server sends a terminal response
+without its output. A `response.failed` or `error` event, or a stream that ends before a
+terminal event, cannot be recorded as a reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skycap.dialects.responses_read import read_items
+from skycap.dialects.sse import EventStream, StreamError
+from skycap.wire import BodyError
+
+_PREVIEW = 200
+TERMINAL = ("response.completed", "response.incomplete")
+FAILED = ("response.failed", "error")
+
+
+def read_response(response: Any) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
+    """(message, finish reason, usage) of a response object; ValueError naming what is wrong."""
+    if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+        raise ValueError(f"no `output` list in the response: {response!r:.{_PREVIEW}}")
+    try:
+        messages = read_items(response["output"])
+    except BodyError as exc:
+        raise ValueError(f"the response's output cannot be read: {exc}") from None
+    if len(messages) > 1 or any(m.get("role") != "assistant" for m in messages):
+        raise ValueError("the response's output is not one assistant turn")
+    message = messages[0] if messages else {"role": "assistant", "content": None}
+    usage = response.get("usage")
+    return message, finish_reason(response, message), usage if isinstance(usage, dict) else None
+
+
+def finish_reason(response: dict[str, Any], message: dict[str, Any]) -> str:
+    """The canonical (chat) finish reason the call records for a response's status."""
+    if response.get("status") == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return "length" if reason in (None, "max_output_tokens") else str(reason)
+    return "tool_calls" if message.get("tool_calls") else "stop"
+
+
+class ResponsesAssembler(EventStream):
+    """Feed the raw SSE bytes as they arrive; ask for the recorded reply at the end.
+
+    `finish_seen` and `done` turn on together, at the first terminal or failure event (a
+    Responses stream has no `[DONE]`: its terminal event is its last), so the relay holds
+    back the chunk carrying it, commits, then releases it. `reply_id` is the response's id.
+    """
+
+    __slots__ = ("_items", "_terminal", "_failure", "reply_id")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._items: dict[int, dict[str, Any]] = {}
+        self._terminal: dict[str, Any] | None = None
+        self._failure: Any = None
+        self.reply_id: str | None = None
+
+    @property
+    def finish_seen(self) -> bool:
+        return self._done
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        usage = self._terminal.get("usage") if self._terminal is not None else None
+        return usage if isinstance(usage, dict) else None
+
+    def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        response = event.get("response")
+        if isinstance(response, dict) and isinstance(response.get("id"), str):
+            self.reply_id = response["id"]
+        if kind == "response.output_item.done":
+            index, item = event.get("output_index"), event.get("item")
+            if type(index) is int and isinstance(item, dict):
+                self._items[index] = item
+        elif kind in TERMINAL and isinstance(response, dict):
+            self._terminal = response
+            self._done = True
+        elif kind in FAILED:
+            failed = response if isinstance(response, dict) else event
+            self._failure = failed.get("error") or event
+            self._done = True
+
+    def result(self) -> tuple[dict[str, Any], str]:
+        """(message, finish reason) of the terminal response (StreamError if there is none)."""
+        if self._error is not None:
+            raise StreamError(self._error)
+        if self._failure is not None:
+            raise StreamError(f"unreadable stream: the upstream reported {self._failure!r:.300}")
+        if self._terminal is None:
+            raise StreamError(
+                f"unreadable stream: no response.completed in {self._events} JSON events"
+            )
+        response = self._terminal
+        if not response.get("output") and self._items:
+            response = {**response, "output": [self._items[i] for i in sorted(self._items)]}
+        try:
+            message, reason, _ = read_response(response)
+        except ValueError as exc:
+            raise StreamError(f"unreadable stream: {exc}") from None
+        return message, reason

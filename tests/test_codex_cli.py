@@ -1,0 +1,73 @@
+"""The real Codex CLI (`codex exec`) against skycap in both modes, hermetic as D-48 says.
+
+Each run is `scripts/codex_smoke.py`'s: the scripted model asks Codex to run a shell
+command, Codex runs it and sends the reasoning item (with its `encrypted_content`), the
+call and its output back, and the model answers. Without compaction that is one path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import codex_smoke  # noqa: E402
+
+BINARY = codex_smoke.codex_binary()
+pytestmark = pytest.mark.skipif(
+    BINARY is None and os.environ.get("CI") != "true",
+    reason="codex not installed (.ci/run installs it into .ci/npm)",
+)
+
+
+def run(tmp_path: Path, mode: str, provider: str, compact: bool = False) -> codex_smoke.CodexRun:
+    assert BINARY is not None, "CI=true: the Codex CLI must be installed (.ci/run)"
+    service, _model, stop_model = codex_smoke.serve(mode, provider, compact, tmp_path / "rec")
+    url = service.start()
+    try:
+        return asyncio.run(codex_smoke.capture(url, BINARY, provider, compact, tmp_path))
+    finally:
+        service.stop()
+        stop_model()
+
+
+def check_one_path(outcome: codex_smoke.CodexRun, mode: str) -> list[dict[str, Any]]:
+    assert outcome.returncode == 0, outcome.stderr[-3000:]
+    assert "skycap-smoke" in outcome.stdout + outcome.stderr
+    calls = outcome.calls
+    assert len(calls) == 2 and all(c["dialect"] == "responses" for c in calls)
+    assert [c["finish_reason"] for c in calls] == ["tool_calls", "stop"]
+    assert len(outcome.samples) == 1, "Codex's replayed history must stay one path"
+    if mode == "tokens":
+        assert [c["bridged"] for c in calls] == [None, True]
+        (sample,) = outcome.samples
+        assert sample.input_ids is not None and sum(sample.loss_mask or []) > 0
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["text", "tokens"])
+def test_codex_base_url_provider_is_one_path(tmp_path: Path, mode: str) -> None:
+    check_one_path(run(tmp_path, mode, "base-url"), mode)
+
+
+@pytest.mark.parametrize("mode", ["text", "tokens"])
+def test_codex_default_provider_through_the_proxy(tmp_path: Path, mode: str) -> None:
+    outcome = run(tmp_path, mode, "default")
+    check_one_path(outcome, mode)
+    # Codex tries wss://api.openai.com/v1/responses first: skycap's 426 makes it fall back
+    # to HTTPS after that one attempt (a 404 or 403 would cost five attempts, ~7 s).
+    assert len(outcome.websocket_failures) == 1, outcome.stderr[-3000:]
+
+
+def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> None:
+    outcome = run(tmp_path, "text", "base-url", compact=True)
+    assert outcome.returncode == 0, outcome.stderr[-3000:]
+    assert "context compacted" in outcome.stderr
+    # The command, the compaction (a summary with no tools), the answer on the new history.
+    assert [c["finish_reason"] for c in outcome.calls] == ["tool_calls", "stop", "stop"]
+    assert len(outcome.samples) >= 2  # compaction rewrites the history: a fork
