@@ -130,12 +130,13 @@ class UpstreamPool:
         (the upstream closed it while idle; it read nothing of this request).
         """
         origin = (request.scheme, request.host, request.port)
-        raw = _assemble(request)
+        head, body = _head(request), request.data.content or b""
         while True:
             conn = await self._connect(origin)
             try:
-                conn.writer.write(raw)
-                head = await self.read(conn.reader.readuntil(b"\r\n\r\n"))
+                conn.writer.write(head)
+                conn.writer.write(body)  # not joined to the head: no copy of a large body
+                answer = await self.read(conn.reader.readuntil(b"\r\n\r\n"))
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                 conn.writer.close()
                 if conn.reused and not isinstance(exc, asyncio.LimitOverrunError):
@@ -146,7 +147,7 @@ class UpstreamPool:
                 raise
             break
         try:
-            response = http1.read_response_head(head.split(b"\r\n")[:-2])
+            response = http1.read_response_head(answer.split(b"\r\n")[:-2])
             size = http1.expected_http_body_size(request, response)
         except ValueError as exc:
             conn.writer.close()
@@ -193,15 +194,15 @@ class UpstreamPool:
         return self._tls
 
 
-def _assemble(request: http.Request) -> bytes:
-    """The request as HTTP/1.1 bytes, whatever version the harness spoke to mitmproxy."""
+def _head(request: http.Request) -> bytes:
+    """The request line and headers as HTTP/1.1, whatever version the harness spoke."""
     data = request.data
     fields = data.headers.fields
     lines = [data.method + b" " + data.path + b" HTTP/1.1"]
     if not any(k.lower() == b"host" for k, _ in fields):
         lines.append(b"host: " + (request.host_header or request.host).encode("idna"))
     lines += [k + b": " + v for k, v in fields]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + (data.content or b"")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
 def _describe(exc: BaseException) -> str:
