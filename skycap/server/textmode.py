@@ -1,13 +1,15 @@
-"""Text mode (http.md §7): forward harness calls through mitmproxy itself and tap the replies.
+"""Text mode (http.md §7): forward harness calls upstream and tap the replies.
 
-A chat call is re-targeted to the upstream in the `request` hook with the raw body
-unchanged; a call through the proxy listener with no `--upstream-url` keeps its original
-host (D-8). A non-streamed reply is committed in the `response` hook, before mitmproxy
-sends it on. A streamed reply is relayed chunk by chunk through a `flow.response.stream`
-callable that feeds the SSE assembler and holds chunks back from the first one carrying a
-`finish_reason`; at `[DONE]` or the end of the body it commits, then releases them, so a
-`finish` sent after the stream always finds the reply. Upstream failures are recorded on
-the trajectory; a broken stream leaves the harness with a failed, not a short, stream.
+Model calls (chat, Messages, Responses) go upstream with skycap's own pooled client
+(`upstream.py`) on a task of their own, with the raw body unchanged, so a harness that
+disconnects does not cancel them (D-52): the reply is read to its end and committed,
+marked `harness_saw_end: false`, and settles the retry entry replayable. A non-streamed
+reply is committed before the harness gets it; a streamed one reaches the harness through
+the loopback relay (`relay.py`), holding back the tail from the first chunk that ends the
+reply until it is committed, so a `finish` sent after the stream always finds it. Model
+lists and token counts are still forwarded by mitmproxy itself (`forward`). Upstream
+failures are recorded on the trajectory; a broken stream leaves the harness with a
+failed, not a short, stream.
 """
 
 from __future__ import annotations
