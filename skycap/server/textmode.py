@@ -166,6 +166,7 @@ class TextCall:
         "client_conn",
         "relay_path",
         "live",
+        "trajectory_id",
         "request",
         "entry",
         "dialect",
@@ -193,6 +194,7 @@ class TextCall:
         self.client_conn = flow.client_conn
         self.relay_path = b""
         self.live = live
+        self.trajectory_id = live.id
         self.request: Request | None = request
         self.entry = entry
         self.dialect = dialect
@@ -256,6 +258,7 @@ class TextCall:
         self.live.touch()
         self.request = None  # type: ignore[assignment]  # the parsed body can be large
         self.body = []
+        self.live = None  # type: ignore[assignment]  # nor keep the trajectory once over
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
@@ -342,7 +345,7 @@ class TextCall:
         except UpstreamError as exc:
             self._upstream_failed(str(exc))
         except Exception as exc:  # a bug must not leave the harness hanging
-            logger.warning("text-mode call of %s failed: %r", self.live.id, exc)
+            logger.warning("text-mode call of %s failed: %r", self.trajectory_id, exc)
             self._upstream_failed(f"{type(exc).__name__}: {exc}")
         finally:
             if exchange is not None:

@@ -33,6 +33,15 @@ class UpstreamTimeout(UpstreamError):
     """No progress within `--upstream-timeout`."""
 
 
+class _Method:
+    """What `expected_http_body_size` reads of the request once a response is given."""
+
+    __slots__ = ("method",)
+
+    def __init__(self, method: bytes) -> None:
+        self.method = method.decode("ascii", "replace")
+
+
 class _Conn:
     __slots__ = ("reader", "writer", "reused")
 
@@ -130,6 +139,7 @@ class UpstreamPool:
         (the upstream closed it while idle; it read nothing of this request).
         """
         origin = (request.scheme, request.host, request.port)
+        method = request.data.method
         head, body = _head(request), request.data.content or b""
         while True:
             conn = await self._connect(origin)
@@ -146,9 +156,13 @@ class UpstreamPool:
                 conn.writer.close()
                 raise
             break
+        # mitmproxy's head parser leaves reference cycles through its callers' frames (its
+        # type checks raise and catch): hold no body here while it runs, so a large request
+        # is freed by reference counting, not only by the collector.
+        del request, body
         try:
             response = http1.read_response_head(answer.split(b"\r\n")[:-2])
-            size = http1.expected_http_body_size(request, response)
+            size = http1.expected_http_body_size(_Method(method), response)
         except ValueError as exc:
             conn.writer.close()
             raise UpstreamError(f"malformed response: {exc}") from None
