@@ -158,7 +158,11 @@ def test_upstream_failures_are_recorded_and_the_trajectory_stays_open(
             "code": None,
         }
     elif fault["kind"] == "break_stream" and stream:
-        assert body is None
+        # The relayed stream ends with the OpenAI error event, never as a short stream.
+        assert status == 200 and body is not None
+        last = body.rstrip().rsplit(b"\n\n", 1)[-1]
+        assert last.startswith(b"data: ") and b"upstream stream interrupted" in last
+        assert httpx.Response(200, content=last[6:]).json()["error"]["type"] == "api_error"
     elif fault["kind"] == "break_stream":
         assert status == 502
     else:

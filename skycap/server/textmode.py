@@ -174,6 +174,7 @@ class TextCall:
         "ready",
         "task",
         "stream",
+        "assembler",
         "held",
         "body",
         "over",
@@ -203,6 +204,7 @@ class TextCall:
         #: What the harness's flow does next: an answer, a relay path, or None (drop it).
         self.ready: asyncio.Future[http.Response | bytes | None] = loop.create_future()
         self.stream: Stream | None = None
+        self.assembler: Any = None
         self.held: list[bytes] = []
         self.body: list[bytes] = []
         self.over = False
@@ -258,6 +260,7 @@ class TextCall:
         self.live.touch()
         self.request = None  # type: ignore[assignment]  # the parsed body can be large
         self.body = []
+        self.assembler = None
         self.live = None  # type: ignore[assignment]  # nor keep the trajectory once over
 
     def cancel(self) -> None:
@@ -355,9 +358,13 @@ class TextCall:
         if self.over:
             return
         if self.stream is not None:
-            self._fail(None, f"upstream stream interrupted: {detail}")
+            error = f"upstream stream interrupted: {detail}"
+            # A failed, not a short, stream: the dialect's error event ends it (D-36).
+            failure = self.dialect.stream_failure(self.assembler, error)
+            self._fail(None, error)
             self._end()
-            self.stream.chunks.put_nowait(BROKEN)  # a failed, not a short, stream
+            self._send(failure)
+            self.stream.chunks.put_nowait(END)
             return
         self._fail(None, f"upstream: {detail}")
         self._end()
@@ -405,7 +412,7 @@ class TextCall:
         self.stream = Stream(200, fields)
         self.relay_path = self.mode.relay.register(self.stream)
         self._answer(self.relay_path)
-        assembler = self.dialect.assembler()
+        assembler = self.assembler = self.dialect.assembler()
         chunks = exchange.chunks()
         async for chunk in chunks:
             if self.over:
@@ -439,10 +446,13 @@ class TextCall:
             return
         saw_end = self._harness_saw_end()
         replay = None
+        failure = b""
         try:
             message, finish_reason = assembler.result()
         except StreamError as exc:
             self._fail(None, str(exc))
+            if not assembler.done:  # cut short, not ended by the upstream's own error event
+                failure = self.dialect.stream_failure(assembler, str(exc))
         else:
             reply_id = getattr(assembler, "reply_id", None)
             committed = self._commit(message, finish_reason, assembler.usage, saw_end, reply_id)
@@ -453,6 +463,8 @@ class TextCall:
         for chunk in self.held:
             self._send(chunk)
         self.held = []
+        if failure:
+            self._send(failure)
         assert self.stream is not None
         self.stream.chunks.put_nowait(END)
 
