@@ -80,13 +80,24 @@ async def _write(stream: Stream, writer: asyncio.StreamWriter) -> bool:
     lines += [k + b": " + v for k, v in stream.headers]
     lines.append(b"transfer-encoding: chunked")
     writer.write(b"\r\n".join(lines) + b"\r\n\r\n")
+    queue = stream.chunks
     while True:
-        chunk = await stream.chunks.get()
+        chunk = await queue.get()
+        # Whatever else is queued goes out with it, as one HTTP chunk: when the upstream is
+        # ahead of this hop, mitmproxy then reads, and relays, one piece instead of many.
+        pieces = []
+        while chunk is not BROKEN and chunk != END:
+            pieces.append(chunk)
+            if queue.empty():
+                break
+            chunk = queue.get_nowait()
+        if pieces:
+            data = b"".join(pieces)
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
         if chunk is BROKEN:
             return False
         if chunk == END:
             writer.write(b"0\r\n\r\n")
             await writer.drain()
             return True
-        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         await writer.drain()
