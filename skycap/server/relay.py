@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import itertools
 
+from skycap.server.loopback import LoopbackServer
+
 END = b""  # queued after the last chunk: write the chunked terminator
 BROKEN = None  # queued when the upstream broke: close without a terminator
 _DROPPED = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
@@ -29,23 +31,13 @@ class Stream:
         self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
 
 
-class StreamRelay:
+class StreamRelay(LoopbackServer):
     """Serves each registered stream once, at `/relay/{n}`, until `close()`."""
 
     def __init__(self) -> None:
-        self.port = 0
-        self._server: asyncio.Server | None = None
+        super().__init__()
         self._streams: dict[bytes, Stream] = {}
         self._ids = itertools.count(1)
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     def register(self, stream: Stream) -> bytes:
         """The path the harness's flow is re-targeted to; it serves `stream` once."""
