@@ -19,6 +19,7 @@ import pytest
 
 from skycap import CaptureService
 from skycap.control_token import find_control_token
+from skycap.mock.engine import Reply
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.options import ServerOptions
 
@@ -45,6 +46,40 @@ class ServerThread(CaptureService):
         if self._error is not None:
             raise self._error
         return True
+
+
+class TextScript:
+    """A scripted policy for `ScriptedEngine`: `text(prompt)` is what it samples (the engine
+    encodes it and appends <|im_end|>); `completion(prompt)` gives back those exact ids, for
+    checking what a record holds."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tool_response = tokenizer.convert_tokens_to_ids("<tool_response>")
+        self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def text(self, prompt: list[int]) -> str:
+        raise NotImplementedError
+
+    def __call__(self, body: dict[str, Any]) -> Reply:
+        return Reply(self.text(body["token_ids"]))
+
+    def completion(self, prompt: list[int]) -> list[int]:
+        return self.tokenizer.encode(self.text(prompt), add_special_tokens=False) + [self.stop]
+
+
+def anthropic_sdk(created: dict[str, Any]) -> Any:
+    """The unchanged anthropic SDK at a trajectory's Anthropic base URL."""
+    import anthropic
+
+    return anthropic.Anthropic(
+        base_url=created["anthropic_base_url"], api_key=created["api_key"], max_retries=0
+    )
+
+
+def replayed_message(message: Any) -> dict[str, Any]:
+    """The assistant turn a harness sends back: the SDK's content blocks as returned."""
+    return {"role": "assistant", "content": [block.model_dump() for block in message.content]}
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:

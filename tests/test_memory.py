@@ -52,7 +52,11 @@ def large_objects(trajectory_id: str) -> list[object]:
     for obj in gc.get_objects():
         if isinstance(obj, HTTPFlow) and len(obj.request.raw_content or b"") > 100 * MB:
             found.append(obj)
-        elif isinstance(obj, TextCall) and obj.live.id == trajectory_id and obj.request is not None:
+        elif (
+            isinstance(obj, TextCall)
+            and obj.trajectory_id == trajectory_id
+            and obj.request is not None
+        ):
             found.append(obj)
         elif isinstance(obj, dict):
             try:  # the server thread may change a dict while we look at it

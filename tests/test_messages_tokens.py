@@ -10,9 +10,9 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from server_fixtures import Control, ServerThread
+from server_fixtures import Control, ServerThread, TextScript, anthropic_sdk, replayed_message
 
-from skycap.mock.engine import Reply, ScriptedEngine
+from skycap.mock.engine import ScriptedEngine
 from skycap.server.options import ServerOptions
 from skycap.tokens.renderer import LibraryRenderer
 
@@ -26,13 +26,8 @@ TOOLS = [
 TURNS = 3
 
 
-class Script:
+class Script(TextScript):
     """Thinking and a tool call until the prompt holds TURNS tool results, then an answer."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tool_response = tokenizer.convert_tokens_to_ids("<tool_response>")
-        self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def text(self, prompt: list[int]) -> str:
         done = prompt.count(self.tool_response)
@@ -43,12 +38,6 @@ class Script:
                 f'<tool_call>\n{{"name": "search", "arguments": {args}}}\n</tool_call>'
             )
         return f"<think>\nI have {done} results.\n</think>\n\nThe answer is 42."
-
-    def __call__(self, body: dict[str, Any]) -> Reply:
-        return Reply(self.text(body["token_ids"]))
-
-    def completion(self, prompt: list[int]) -> list[int]:
-        return self.tokenizer.encode(self.text(prompt), add_special_tokens=False) + [self.stop]
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +62,6 @@ def server(engine: ScriptedEngine, qwen3_renderer: LibraryRenderer) -> Iterator[
 def control(server: ServerThread) -> Iterator[Control]:
     with Control(server.url) as client:
         yield client
-
-
-def sdk(created: dict[str, Any]) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=created["anthropic_base_url"], api_key=created["api_key"], max_retries=0
-    )
-
-
-def replayed(message: Any) -> dict[str, Any]:
-    return {"role": "assistant", "content": [block.model_dump() for block in message.content]}
 
 
 def results_for(message: Any) -> dict[str, Any]:
@@ -129,13 +108,13 @@ def test_sync_tool_conversation_is_one_bridged_exact_path(
     control: Control, engine: ScriptedEngine, script: Script
 ) -> None:
     created = control.create()
-    client = sdk(created)
+    client = anthropic_sdk(created)
     messages: list[Any] = [dict(m) for m in START]
     for _ in range(TURNS + 1):
         message = client.messages.create(
             model="claude-x", max_tokens=200, system="Be brief.", messages=messages, tools=TOOLS
         )
-        messages.append(replayed(message))
+        messages.append(replayed_message(message))
         if message.stop_reason == "tool_use":
             messages.append(results_for(message))
     kinds = [b.type for b in message.content]
@@ -155,14 +134,14 @@ def test_streamed_conversation_is_one_bridged_exact_path(
     control: Control, engine: ScriptedEngine, script: Script
 ) -> None:
     created = control.create()
-    client = sdk(created)
+    client = anthropic_sdk(created)
     messages: list[Any] = [dict(m) for m in START]
     for _ in range(TURNS + 1):
         with client.messages.stream(
             model="claude-x", max_tokens=200, system="Be brief.", messages=messages, tools=TOOLS
         ) as stream:
             message = stream.get_final_message()
-        messages.append(replayed(message))
+        messages.append(replayed_message(message))
         if message.stop_reason == "tool_use":
             messages.append(results_for(message))
     assert message.content[-1].text == "The answer is 42."
@@ -193,7 +172,7 @@ def test_async_conversation_is_one_bridged_exact_path(
                         }
                     ],
                 )
-                messages.append(replayed(message))
+                messages.append(replayed_message(message))
                 if message.stop_reason == "tool_use":
                     messages.append(results_for(message))
 
@@ -211,7 +190,7 @@ def test_stop_sequences_cut_the_reply_and_replay_as_one_path(
     control: Control, engine: ScriptedEngine, qwen3_tokenizer: Any, streamed: bool
 ) -> None:
     created = control.create()
-    client = sdk(created)
+    client = anthropic_sdk(created)
     engine.queue("<think>\nok\n</think>\n\nThe answer is 42. DONE and then more text", "Fine.")
     asked = {"model": "claude-x", "max_tokens": 200, "stop_sequences": ["DONE", "42"]}
     if streamed:
@@ -228,7 +207,7 @@ def test_stop_sequences_cut_the_reply_and_replay_as_one_path(
     assert call["stop_string"] == "42" and call["finish_reason"] == "stop"
     assert call["dialect"] == "messages" and call["sampling"]["stop"] == ["DONE", "42"]
     # Replayed as returned, the cut reply is the node it was stored as: the next call bridges.
-    messages = [*START, replayed(message), {"role": "user", "content": "more"}]
+    messages = [*START, replayed_message(message), {"role": "user", "content": "more"}]
     second = client.messages.create(model="claude-x", max_tokens=200, messages=messages)
     assert second.stop_reason == "end_turn" and second.stop_sequence is None
     assert [c["bridged"] for c in model_calls(control, created["id"])] == [None, True]
@@ -254,7 +233,7 @@ def test_tool_choice_is_read_into_the_canonical_form_and_recorded(
     control: Control, choice: dict[str, Any], recorded: Any, parallel: bool | None
 ) -> None:
     created = control.create()
-    message = sdk(created).messages.create(
+    message = anthropic_sdk(created).messages.create(
         model="claude-x", max_tokens=200, messages=START, tools=TOOLS, tool_choice=choice
     )
     assert message.stop_reason == "tool_use"  # a forced tool is still `tool_use` here
@@ -268,7 +247,7 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(
     control: Control, engine: ScriptedEngine, qwen3_tokenizer: Any
 ) -> None:
     created = control.create()
-    sdk(created).messages.create(
+    anthropic_sdk(created).messages.create(
         model="claude-x", max_tokens=200, messages=START, tools=TOOLS, tool_choice={"type": "none"}
     )
     prompt = qwen3_tokenizer.decode(engine.requests[-1].body["token_ids"])
@@ -291,7 +270,7 @@ def test_a_bad_tool_choice_is_an_anthropic_shaped_400(
 ) -> None:
     created = control.create()
     with pytest.raises(anthropic.BadRequestError) as caught:
-        sdk(created).messages.create(
+        anthropic_sdk(created).messages.create(
             model="claude-x", max_tokens=20, messages=START, tools=TOOLS, tool_choice=choice
         )
     assert caught.value.body["type"] == "error"
@@ -303,7 +282,7 @@ def test_count_tokens_is_the_rendered_prompt_length(
 ) -> None:
     created = control.create()
     messages = [{"role": "user", "content": "find x"}]
-    counted = sdk(created).messages.count_tokens(
+    counted = anthropic_sdk(created).messages.count_tokens(
         model="claude-x", system="Be brief.", messages=messages, tools=TOOLS
     )
     canonical = [{"role": "system", "content": "Be brief."}, *messages]
@@ -315,7 +294,7 @@ def test_count_tokens_is_the_rendered_prompt_length(
 
 def test_models_answer_in_anthropic_shape(control: Control) -> None:
     created = control.create()
-    models = list(sdk(created).models.list())
+    models = list(anthropic_sdk(created).models.list())
     assert [m.id for m in models] == ["policy"] and models[0].type == "model"
     with httpx.Client() as http:
         plain = http.get(created["base_url"] + "/models").json()

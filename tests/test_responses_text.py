@@ -208,10 +208,13 @@ def test_a_stream_cut_mid_way_fails_the_harness_stream_and_is_not_recorded(
 ) -> None:
     trajectory = control.create()
     upstream.fail_next("break_stream")
-    with pytest.raises(openai.APIError):
-        with sdk(trajectory).responses.stream(model="p", input="x") as stream:
-            for _ in stream:
-                pass
+    with sdk(trajectory).responses.stream(model="p", input="x") as stream:
+        events = list(stream)  # the SDK hands the failure on as an event, as OpenAI sends it
+    # The stream ends with response.failed, numbered after the last event the harness got.
+    assert events[-1].type == "response.failed"
+    assert events[-1].sequence_number == events[-2].sequence_number + 1
+    assert events[-1].response.status == "failed"
+    assert "upstream stream interrupted" in events[-1].response.error.message
     document = wait_for(
         lambda: (d := control.document(trajectory["id"]).json())["failures"] and d,
         what="the failure",

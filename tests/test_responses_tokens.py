@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_fixtures import Control, ServerThread
+from server_fixtures import Control, ServerThread, TextScript
 
 from skycap.cli.main import main as skycap_main
 from skycap.loader import load
-from skycap.mock.engine import Reply, ScriptedEngine, scripted_logprob
+from skycap.mock.engine import ScriptedEngine, scripted_logprob
 from skycap.server.options import ServerOptions
 
 os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # D-48: never export traces to OpenAI
@@ -35,12 +35,8 @@ QUESTION = "What is the weather in Paris?"
 ANSWER = "It is sunny in Paris."
 
 
-class Script:
+class Script(TextScript):
     """Thinking and a get_weather call until the prompt holds a tool result, then an answer."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def text(self, prompt: list[int]) -> str:
         last_user = self.tokenizer.decode(prompt).rpartition("<|im_start|>user")[2]
@@ -48,12 +44,6 @@ class Script:
             return f"<think>\nThe tool answered.\n</think>\n\n{ANSWER}"
         call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
         return f"<think>\nI should look it up.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
-
-    def __call__(self, body: dict[str, Any]) -> Reply:
-        return Reply(self.text(body["token_ids"]))
-
-    def completion(self, prompt: list[int]) -> list[int]:
-        return self.tokenizer.encode(self.text(prompt), add_special_tokens=False) + [self.stop]
 
 
 @pytest.fixture(scope="module")

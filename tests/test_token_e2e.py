@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from server_fixtures import Control, ServerThread
+from server_fixtures import Control, ServerThread, TextScript
 
 from skycap.arrays import unpack
 from skycap.cli.main import main as skycap_main
-from skycap.mock.engine import Reply, ScriptedEngine, scripted_experts, scripted_logprob
+from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
 from skycap.server.options import ServerOptions
 
 TOOLS = [
@@ -32,13 +32,8 @@ TOOL_TURNS = 19
 LAYERS, TOP_K = 4, 2
 
 
-class Script:
+class Script(TextScript):
     """Thinking and a tool call until the prompt holds TOOL_TURNS tool results, then an answer."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tool_response = tokenizer.convert_tokens_to_ids("<tool_response>")
-        self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def text(self, prompt: list[int]) -> str:
         done = prompt.count(self.tool_response)
@@ -49,13 +44,6 @@ class Script:
                 f'<tool_call>\n{{"name": "search", "arguments": {args}}}\n</tool_call>'
             )
         return f"<think>\nI have {done} results.\n</think>\n\nThe answer is 42."
-
-    def __call__(self, body: dict[str, Any]) -> Reply:
-        return Reply(self.text(body["token_ids"]))
-
-    def completion(self, prompt: list[int]) -> list[int]:
-        """The completion ids the engine returned for `prompt` (stop token included)."""
-        return self.tokenizer.encode(self.text(prompt), add_special_tokens=False) + [self.stop]
 
 
 @pytest.fixture(scope="module")

@@ -362,5 +362,9 @@ class ChatDialect:
     def finish_reason(self, canonical_reason: str) -> str:
         return canonical_reason
 
+    def stream_failure(self, assembler: StreamAssembler, message: str) -> bytes:
+        """An `error` data event ends a relayed stream that broke (the SDK raises it)."""
+        return assembler.cut() + b"data: " + openai_error(502, message) + b"\n\n"
+
 
 DIALECT = ChatDialect()

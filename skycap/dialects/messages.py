@@ -509,6 +509,10 @@ class MessagesDialect:
     def finish_reason(self, canonical_reason: str) -> str:
         return stop_reason(canonical_reason)
 
+    def stream_failure(self, assembler: MessagesAssembler, message: str) -> bytes:
+        """An `error` event (`api_error`) ends a relayed stream that broke (D-36)."""
+        return assembler.cut() + b"event: error\ndata: " + anthropic_error(502, message) + b"\n\n"
+
 
 def _reply_stop(reply: ReplyData) -> str:
     """The answered `stop_reason`: `stop_sequence` when a stop sequence ended the reply."""

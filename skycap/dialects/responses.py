@@ -17,7 +17,7 @@ import orjson
 
 from skycap.dialects import ReplyData, Request
 from skycap.dialects.responses_read import read_request, reasoning_token
-from skycap.dialects.responses_reply import new_id, response_object, response_sse
+from skycap.dialects.responses_reply import new_id, response_object, response_sse, sse_event
 from skycap.dialects.responses_stream import ResponsesAssembler, read_response
 from skycap.hashing import token_digest
 
@@ -90,6 +90,14 @@ class ResponsesDialect:
 
     def finish_reason(self, canonical_reason: str) -> str:
         return "incomplete" if canonical_reason == "length" else "completed"
+
+    def stream_failure(self, assembler: ResponsesAssembler, message: str) -> bytes:
+        """`response.failed` ends a relayed stream that broke (D-36): the response the
+        stream announced, failed, numbered after the last event the harness got."""
+        failed = dict(assembler.response or {"object": "response", "output": []})
+        failed |= {"status": "failed", "error": {"code": "server_error", "message": message}}
+        event = sse_event("response.failed", assembler.sequence + 1, {"response": failed})
+        return assembler.cut() + event
 
 
 DIALECT = ResponsesDialect()

@@ -53,7 +53,7 @@ class ResponsesAssembler(EventStream):
     back the chunk carrying it, commits, then releases it. `reply_id` is the response's id.
     """
 
-    __slots__ = ("_items", "_terminal", "_failure", "reply_id")
+    __slots__ = ("_items", "_terminal", "_failure", "reply_id", "response", "sequence")
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +61,8 @@ class ResponsesAssembler(EventStream):
         self._terminal: dict[str, Any] | None = None
         self._failure: Any = None
         self.reply_id: str | None = None
+        self.response: dict[str, Any] | None = None  # the last response object announced
+        self.sequence = -1  # the last sequence_number seen
 
     @property
     def finish_seen(self) -> bool:
@@ -74,8 +76,11 @@ class ResponsesAssembler(EventStream):
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
         kind = event.get("type")
         response = event.get("response")
+        if type(sequence := event.get("sequence_number")) is int:
+            self.sequence = max(self.sequence, sequence)
         if isinstance(response, dict) and isinstance(response.get("id"), str):
             self.reply_id = response["id"]
+            self.response = response
         if kind == "response.output_item.done":
             index, item = event.get("output_index"), event.get("item")
             if type(index) is int and isinstance(item, dict):

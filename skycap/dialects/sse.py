@@ -40,6 +40,11 @@ class EventStream:
         """Whether the stream's end marker was seen; later events are ignored."""
         return self._done
 
+    def cut(self) -> bytes:
+        """What ends an event the upstream left unfinished (a blank line), or nothing: sent
+        before a failure event, so the harness's parser reads that event on its own."""
+        return b"\n\n" if self._pending or self._data or self._held_cr else b""
+
     def feed(self, chunk: bytes) -> None:
         """Consume one chunk of the response body, split anywhere."""
         if self._held_cr:

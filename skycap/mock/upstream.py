@@ -348,8 +348,8 @@ class ScriptedUpstream:
                 received = await _read_request(conn, reader)
                 if received is None:
                     return
-                request = self._record(*received)
-                keep_open = await self._route(conn, reader, writer, request)
+                keep_open = await self._route(conn, reader, writer, self._record(*received))
+                del received  # an idle kept-alive connection holds no request it answered
                 if not keep_open or conn.our_state is not h11.DONE:
                     return
                 if conn.their_state is not h11.DONE:

@@ -297,6 +297,8 @@ class SkycapAddon:
         await self.sink.start()
         if self.harness.streams is not None:
             await self.harness.streams.start()
+        if self.text is not None:
+            await self.text.start()
         self.store.recover()
         self.store.start()
         if self.backend is not None:
@@ -351,6 +353,8 @@ class SkycapAddon:
             credential.remove_token_file(self.token_file, self.options.control_token or "")
         if self.backend is not None:
             await self.backend.close()
+        if self.text is not None:
+            await self.text.close()
         await self.sink.close()
         if self.harness.streams is not None:
             await self.harness.streams.close()
@@ -533,9 +537,8 @@ class SkycapAddon:
         if flow.metadata.get(CLOSE_AFTER):
             flow.response.headers["connection"] = "close"  # mitmproxy then closes it
         call: TextCall | None = flow.metadata.get(CALL)
-        if call is not None:
-            with _logged(flow, "responseheaders"):
-                call.on_response_headers(flow.response)
+        if call is not None and call.relaying:
+            flow.response.stream = True  # a streamed reply from the relay, passed on as it comes
         elif flow.metadata.get(ROUTE, (None,))[0] == PASS:
             flow.response.stream = True  # passed through untouched, never buffered
         elif flow.metadata.get(STREAMED):
@@ -543,10 +546,6 @@ class SkycapAddon:
             flow.response.headers.pop("connection", None)
 
     def response(self, flow: http.HTTPFlow) -> None:
-        call: TextCall | None = flow.metadata.get(CALL)
-        if call is not None:
-            with _logged(flow, "response"):
-                call.on_response(flow.response)
         if (sent := flow.metadata.pop(SENT, None)) is not None:
             # mitmproxy writes the answer when this hook returns, in the same loop step.
             asyncio.get_running_loop().call_soon(sent)
@@ -560,7 +559,7 @@ class SkycapAddon:
         call: TextCall | None = flow.metadata.get(CALL)
         with _logged(flow, "error"):
             if call is not None:
-                call.on_error(flow)
+                call.harness_left()
             elif self.text is not None:
                 kind = flow.metadata.get(ROUTE, (None,))[0]
                 if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):

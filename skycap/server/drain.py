@@ -13,6 +13,7 @@ import contextlib
 
 from skycap.dialects.chat import openai_error
 from skycap.dialects.messages import anthropic_error
+from skycap.server.loopback import LoopbackServer
 from skycap.wire import control_error
 
 HARNESS_PATH = b"/harness"
@@ -29,22 +30,12 @@ def too_large_message(size: int | None, limit: int) -> str:
     )
 
 
-class DrainSink:
-    """Serves on 127.0.0.1 (a free port) on the current event loop until `close()`."""
+class DrainSink(LoopbackServer):
+    """Drains and answers each oversize request it is sent, until `close()`."""
 
     def __init__(self, limit: int) -> None:
+        super().__init__()
         self.limit = limit
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(

@@ -2,9 +2,9 @@
 
 The addon hands a model call (with its dialect, skycap.dialects) or a model-list call
 here once its body is read and within `--max-body-size` (D-10), whether it came as
-`/t/{id}/v1/...` or through the proxy listener (D-24). Text mode then forwards it
-through mitmproxy (`textmode`); token mode answers it from the token backend, running the
-turn as its own task so that a client disconnect does not cancel it (http.md §5).
+`/t/{id}/v1/...` or through the proxy listener (D-24). Text mode then forwards it with
+skycap's own client (`textmode`); token mode answers it from the token backend. Either
+way the call runs as its own task, so a client disconnect does not cancel it (http.md §5).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Harness:
         if entry is None:
             return None
         if self.text is not None:
-            return self.text.start_call(flow, live, request, entry, dialect)
+            return await self.text.call(flow, live, request, entry, dialect)
         await self._token_call(flow, live, request, entry, dialect)
         return None
 

@@ -684,6 +684,8 @@ class TrajectoryStore:
         for live in self._live.values():
             if live.closed is None:
                 live.closed = SHUTTING_DOWN
+            for _ in live.inflight:  # a call cut off by the shutdown is a failure, not silence
+                self.note_failure(live, None, SHUTDOWN_FAILURE)
             live.cancel_inflight()
 
     async def shutdown(self) -> None:
@@ -718,7 +720,6 @@ class TrajectoryStore:
 
     async def _shutdown_one(self, live: Live) -> None:
         async with live.lock:
-            live.cancel_inflight()
             if not live.trajectory.ended:
                 await self._release_engine(live.id)
             if self.record_dir is None:
@@ -730,6 +731,7 @@ class TrajectoryStore:
                 live.unwritten = True
 
 
+SHUTDOWN_FAILURE = "the server shut down before the call's reply arrived"
 #: D-39: a trajectory that ends with nothing captured says so.
 NO_CALLS_WARNING = "no model call was captured"
 

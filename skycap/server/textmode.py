@@ -1,13 +1,15 @@
-"""Text mode (http.md §7): forward harness calls through mitmproxy itself and tap the replies.
+"""Text mode (http.md §7): forward harness calls upstream and tap the replies.
 
-A chat call is re-targeted to the upstream in the `request` hook with the raw body
-unchanged; a call through the proxy listener with no `--upstream-url` keeps its original
-host (D-8). A non-streamed reply is committed in the `response` hook, before mitmproxy
-sends it on. A streamed reply is relayed chunk by chunk through a `flow.response.stream`
-callable that feeds the SSE assembler and holds chunks back from the first one carrying a
-`finish_reason`; at `[DONE]` or the end of the body it commits, then releases them, so a
-`finish` sent after the stream always finds the reply. Upstream failures are recorded on
-the trajectory; a broken stream leaves the harness with a failed, not a short, stream.
+Model calls (chat, Messages, Responses) go upstream with skycap's own pooled client
+(`upstream.py`) on a task of their own, with the raw body unchanged, so a harness that
+disconnects does not cancel them (D-52): the reply is read to its end and committed,
+marked `harness_saw_end: false`, and settles the retry entry replayable. A non-streamed
+reply is committed before the harness gets it; a streamed one reaches the harness through
+the loopback relay (`relay.py`), holding back the tail from the first chunk that ends the
+reply until it is committed, so a `finish` sent after the stream always finds it. Model
+lists and token counts are still forwarded by mitmproxy itself (`forward`). Upstream
+failures are recorded on the trajectory; a broken stream leaves the harness with a
+failed, not a short, stream.
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import orjson
 from mitmproxy import http
+from mitmproxy.connection import ConnectionState
 
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
 from skycap.server.conns import Connections
 from skycap.server.options import ServerOptions
+from skycap.server.relay import BROKEN, END, Stream, StreamRelay
 from skycap.server.retry import Entry, Replay
 from skycap.server.store import Live, TrajectoryStore
+from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
 
 logger = logging.getLogger("skycap.server")
@@ -50,6 +54,8 @@ _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
 CLOSE_AFTER = "skycap.close_after"
 _EVENT_STREAM = "text/event-stream"
 ANTHROPIC_HOST = "api.anthropic.com"
+#: Response headers that describe one transfer, not the reply: rebuilt for the harness.
+_TRANSFER = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 
 
 class TextMode:
@@ -72,6 +78,9 @@ class TextMode:
             self._base = options.upstream_path.encode()
             self._added = ((b"host", host_header.encode()), *self._auth(host))
         self.timeout = options.upstream_timeout
+        self.client = UpstreamPool(self.timeout)
+        self.relay = StreamRelay()
+        self.tasks: set[asyncio.Task[None]] = set()  # calls still running, for close()
 
     def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
         """Send the flow on with the header rules of http.md §7.1.
@@ -113,40 +122,63 @@ class TextMode:
             message = f"upstream unavailable: {flow.error.msg}"
             self.conns.respond(flow, 502, dialect.error(502, message))
 
-    def start_call(
+    # -- model calls: skycap's own client (http.md §5: a disconnect does not cancel them) ----
+
+    async def start(self) -> None:
+        """On mitmproxy's loop: the stream relay."""
+        await self.relay.start()
+
+    async def close(self) -> None:
+        """After the store's shutdown: end the calls still running, then the connections."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.client.close()
+        await self.relay.close()
+
+    async def call(
         self, flow: http.HTTPFlow, live: Live, request: Request, entry: Entry, dialect: Dialect
     ) -> TextCall:
-        call = TextCall(self, flow, live, request, entry, dialect)
+        """Run one model call as skycap's own task; return once the harness can be answered.
+
+        The flow is then answered (a complete reply or skycap's error), re-targeted to the
+        stream relay (a streamed reply, still arriving), or dropped (the trajectory was sealed).
+        """
         self.forward(flow, dialect.upstream_path)
+        call = TextCall(self, flow, live, request, entry, dialect)
+        await call.wait_ready()
         return call
 
 
 class TextCall:
-    """One forwarded model call: its timing, its stream tap and its outcome (exactly once).
+    """One model call on skycap's own task: its upstream exchange, stream tap and outcome.
 
-    The flow holds the call (its metadata, its response's stream tap); the call holds the
-    flow only weakly, so no reference cycle keeps a large request alive after the call
-    until the garbage collector runs. Once the call is over it drops the parsed body too
-    (a cancelled timer may keep the call itself alive until its deadline).
+    The task outlives the harness: a reply is read to its end and committed whether or not
+    anyone still waits for it, so a retry finds it in the retry cache. Only sealing the
+    trajectory (`cancel`), `--upstream-timeout` and shutdown stop it. The flow holds the
+    call (its metadata); the call holds the flow only weakly, so no reference cycle keeps
+    a large request alive after the call until the garbage collector runs.
     """
 
     __slots__ = (
         "mode",
         "_flow",
+        "client_conn",
+        "relay_path",
         "live",
+        "trajectory_id",
         "request",
         "entry",
         "dialect",
         "t_start",
+        "ready",
+        "task",
+        "stream",
         "assembler",
         "held",
+        "body",
         "over",
-        "relaying",
-        "deadline",
-        "loop",
-        "timer",
-        "timed_out",
-        "cancelled",
+        "gone",
     )
 
     def __init__(
@@ -160,69 +192,110 @@ class TextCall:
     ) -> None:
         self.mode = mode
         self._flow = weakref.ref(flow)
+        self.client_conn = flow.client_conn
+        self.relay_path = b""
         self.live = live
+        self.trajectory_id = live.id
         self.request: Request | None = request
         self.entry = entry
         self.dialect = dialect
         self.t_start = time.time()
+        loop = asyncio.get_running_loop()
+        #: What the harness's flow does next: an answer, a relay path, or None (drop it).
+        self.ready: asyncio.Future[http.Response | bytes | None] = loop.create_future()
+        self.stream: Stream | None = None
         self.assembler: Any = None
         self.held: list[bytes] = []
+        self.body: list[bytes] = []
         self.over = False
-        self.relaying = False
-        self.timed_out = False
-        self.cancelled = False
-        self.timer: asyncio.TimerHandle | None = None
-        self.deadline = 0.0
-        self.loop = asyncio.get_running_loop()
+        self.gone = False
         live.inflight[self] = self.cancel
         live.touch()
-        if mode.timeout is not None:
-            self.deadline = self.loop.time() + mode.timeout
-            self.timer = self.loop.call_at(self.deadline, self._check_timeout)
+        self.task = asyncio.ensure_future(self._run(flow.request))
+        mode.tasks.add(self.task)
+        self.task.add_done_callback(mode.tasks.discard)
 
-    # -- timeout (D-11: time without progress) ---------------------------------------------
+    @property
+    def relaying(self) -> bool:
+        return self.stream is not None
 
-    def _progress(self) -> None:
-        if self.timer is not None:
-            self.deadline = self.loop.time() + self.mode.timeout
-
-    def _check_timeout(self) -> None:
-        """Fires at the first deadline; re-arms while chunks keep moving it (one timer per call)."""
-        if self.over:
-            return
-        if self.loop.time() < self.deadline:
-            self.timer = self.loop.call_at(self.deadline, self._check_timeout)
-            return
-        self.timed_out = True
+    async def wait_ready(self) -> None:
+        """Apply the call's first outcome to the flow (from the `request` hook)."""
+        try:
+            outcome = await asyncio.shield(self.ready)
+        except asyncio.CancelledError:
+            if not self.ready.cancelled():
+                self.gone = True  # the hook itself was cancelled: the task goes on
+                raise
+            outcome = None
         flow = self._flow()
-        if flow is not None:
-            self.mode.conns.abort_upstream(flow)
+        if flow is None:
+            return
+        if outcome is None:
+            if flow.killable:
+                flow.kill()
+        elif isinstance(outcome, bytes):
+            data = flow.request.data
+            data.scheme, data.host, data.port = b"http", "127.0.0.1", self.mode.relay.port
+            data.path = outcome
+            data.content = b""
+            data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"))
+        else:
+            flow.response = outcome
+
+    def harness_left(self) -> None:
+        """mitmproxy gave up on the flow (the harness disconnected): stop relaying to it."""
+        if not self.gone:
+            self.gone = True
+            if self.stream is not None:
+                self.mode.relay.forget(self.relay_path)
 
     # -- outcome -----------------------------------------------------------------------------
 
     def _end(self, replay: Replay | None = None) -> None:
         """Settle the retry entry and leave the in-flight set; every path ends here once."""
         self.over = True
-        if self.timer is not None:
-            self.timer.cancel()
         self.entry.settle(replay)
         self.live.inflight.pop(self, None)
         self.live.touch()
-        self.request = None  # the parsed body may be large: free it with the call (issue 17)
+        self.request = None  # type: ignore[assignment]  # the parsed body can be large
+        self.body = []
+        self.assembler = None
+        self.live = None  # type: ignore[assignment]  # nor keep the trajectory once over
 
     def cancel(self) -> None:
         """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
-        self.cancelled = True
+        if self.over:
+            return
         self._end()
-        flow = self._flow()
-        if flow is not None:
+        self.task.cancel()
+        if not self.ready.done():
+            self.ready.set_result(None)
+        elif self.stream is not None:
+            self.stream.chunks.put_nowait(BROKEN)
+        elif (flow := self._flow()) is not None:
             self.mode.conns.drop(flow)
+
+    def _answer(self, response: http.Response | bytes | None) -> None:
+        if not self.ready.done():
+            self.ready.set_result(response)
 
     def _fail(self, status: int | None, error: str) -> None:
         self.mode.store.note_failure(self.live, status, error)
 
+    def _harness_saw_end(self) -> bool:
+        """Whether the harness is still there to receive the reply's end."""
+        if self.gone or self.client_conn.timestamp_end is not None:
+            return False
+        return bool(self.client_conn.state & ConnectionState.CAN_WRITE)
+
     def _commit(
-        self, reply: dict[str, Any], finish_reason: Any, usage: Any, reply_id: Any = None
+        self,
+        reply: dict[str, Any],
+        finish_reason: Any,
+        usage: Any,
+        saw_end: bool,
+        reply_id: Any = None,
     ) -> bool:
         call = {
             "t_start": self.t_start,
@@ -234,6 +307,8 @@ class TextCall:
             "dialect": self.dialect.name,
             **self.request.recorded,
         }
+        if not saw_end:
+            call["harness_saw_end"] = False  # D-52: committed after the harness went away
         key = self.dialect.reply_id_key
         if key is not None and isinstance(reply_id, str):
             call[key] = reply_id  # the upstream's id, which later calls may name (D-40)
@@ -248,110 +323,150 @@ class TextCall:
         self.mode.store.note_commit(self.live, call)
         return True
 
+    # -- the exchange ----------------------------------------------------------------------------
+
+    async def _run(self, request: http.Request) -> None:
+        exchange: Exchange | None = None
+        try:
+            exchange = await self.mode.client.send(request)
+            del request  # written: the flow may go
+            head = exchange.response
+            if (
+                self.request.stream
+                and head.status_code == 200
+                and head.headers.get("content-type", "").startswith(_EVENT_STREAM)
+            ):
+                await self._relay(exchange)
+            else:
+                body = b"".join([chunk async for chunk in exchange.chunks()])
+                self._complete_reply(head, body)
+        except asyncio.CancelledError:
+            if not self.over:  # not sealed: shutdown stopped the loop's tasks
+                self._fail(None, "upstream: the server shut down during the call")
+                self._end()
+                self._answer(None)
+        except UpstreamError as exc:
+            self._upstream_failed(str(exc))
+        except Exception as exc:  # a bug must not leave the harness hanging
+            logger.warning("text-mode call of %s failed: %r", self.trajectory_id, exc)
+            self._upstream_failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            if exchange is not None:
+                exchange.close()
+
+    def _upstream_failed(self, detail: str) -> None:
+        if self.over:
+            return
+        if self.stream is not None:
+            error = f"upstream stream interrupted: {detail}"
+            # A failed, not a short, stream: the dialect's error event ends it (D-36).
+            failure = self.dialect.stream_failure(self.assembler, error)
+            self._fail(None, error)
+            self._end()
+            self._send(failure)
+            self.stream.chunks.put_nowait(END)
+            return
+        self._fail(None, f"upstream: {detail}")
+        self._end()
+        body = self.dialect.error(502, f"upstream unavailable: {detail}")
+        self._answer(http.Response.make(502, body, {"content-type": "application/json"}))
+
     # -- non-streamed replies (http.md §7.2) ---------------------------------------------------
 
-    def on_response(self, response: http.Response) -> None:
+    def _complete_reply(self, response: http.Response, body: bytes) -> None:
         """The whole reply is here and not yet sent on: commit it or record why not."""
-        if self.over or self.relaying:
+        fields = [f for f in response.headers.fields if f[0].lower() not in _TRANSFER]
+        fields.append((b"content-length", b"%d" % len(body)))
+        response.headers.fields = tuple(fields)
+        response.raw_content = body
+        response.timestamp_start = response.timestamp_end = time.time()
+        if self.over:
             return
         status = response.status_code
+        replay = None
         if status != 200:
             self._fail(status, _text(response))
-            self._end()
-            return
-        try:
-            parsed = _read_reply(response)
-            message, finish_reason, usage = self.dialect.reply_message(parsed)
-        except ValueError as problem:
-            self._fail(None, f"unreadable reply: {problem}")
-            self._end()
-            return
-        committed = self._commit(message, finish_reason, usage, parsed.get("id"))
-        replay = None
-        if committed:
-            replay = Replay.of(status, response.headers.fields, response.raw_content or b"")
+        else:
+            try:
+                parsed = _read_reply(response)
+                message, finish_reason, usage = self.dialect.reply_message(parsed)
+            except ValueError as problem:
+                self._fail(None, f"unreadable reply: {problem}")
+            else:
+                saw_end = self._harness_saw_end()
+                if self._commit(message, finish_reason, usage, saw_end, parsed.get("id")):
+                    replay = Replay.of(status, fields, body)
         self._end(replay)
+        self._answer(response)
 
     # -- streamed replies (http.md §7.3) --------------------------------------------------------
 
-    def on_response_headers(self, response: http.Response) -> None:
-        if self.over:
-            return
-        self._progress()
-        if (
-            self.request.stream
-            and response.status_code == 200
-            and response.headers.get("content-type", "").startswith(_EVENT_STREAM)
-        ):
-            self.assembler = self.dialect.assembler()
-            self.relaying = True
-            if response.headers.get("cache-control") != "no-cache":
-                response.headers["cache-control"] = "no-cache"
-            response.stream = self.relay
+    async def _relay(self, exchange: Exchange) -> None:
+        """Pass chunks on, hold back the tail from the first `finish_reason`, commit, release.
 
-    def relay(self, chunk: bytes) -> bytes | Iterable[bytes]:
-        """mitmproxy's stream callable: pass chunks on, hold back the tail, commit, release.
-
-        "Nothing to send" is `[]`, never `b""`: mitmproxy would write an empty chunk, which
-        in chunked encoding is the terminator.
+        The harness's flow is re-targeted to the relay as soon as the headers are here;
+        the body is read to its end even when the harness has gone.
         """
-        if self.over:
-            return []
-        assembler = self.assembler
-        assert assembler is not None
-        if chunk:
-            self._progress()
+        fields = [f for f in exchange.response.headers.fields if f[0].lower() != b"cache-control"]
+        fields.append((b"cache-control", b"no-cache"))
+        self.stream = Stream(200, fields)
+        self.relay_path = self.mode.relay.register(self.stream)
+        self._answer(self.relay_path)
+        assembler = self.assembler = self.dialect.assembler()
+        chunks = exchange.chunks()
+        async for chunk in chunks:
+            if self.over:
+                return
+            if not chunk:
+                continue
+            self.body.append(chunk)
             assembler.feed(chunk)
             if not assembler.finish_seen:
-                return chunk
+                self._send(chunk)
+                continue
             self.held.append(chunk)
-            if not assembler.done:
-                return []
-        return self._complete()
+            if assembler.done:
+                self._complete_stream(assembler, fields)
+                async for _ in chunks:  # whatever follows [DONE]; the connection is then reused
+                    pass
+                return
+        self._complete_stream(assembler, fields)
 
-    def _complete(self) -> list[bytes]:
-        """[DONE] or the end of the body: commit (or record why not), then release the tail."""
-        assert self.assembler is not None
-        try:
-            message, finish_reason = self.assembler.result()
-        except StreamError as exc:
-            self._fail(None, str(exc))
-        else:
-            reply_id = getattr(self.assembler, "reply_id", None)
-            self._commit(message, finish_reason, self.assembler.usage, reply_id)
-        self._end()
-        held, self.held = self.held, []
-        return held
+    def _send(self, chunk: bytes) -> None:
+        if not self.gone and self.stream is not None:
+            self.stream.chunks.put_nowait(chunk)
 
-    # -- failures before or during the reply --------------------------------------------------
+    def _complete_stream(self, assembler: Any, fields: list[tuple[bytes, bytes]]) -> None:
+        """[DONE] or the end of the body: commit (or record why not), then release the tail.
 
-    def on_error(self, flow: http.HTTPFlow) -> None:
-        """mitmproxy gave up on the flow: the harness left, we cancelled, or the upstream failed."""
+        A stream the harness read to its end is not replayable (its retry samples again,
+        D-12); one whose harness went away is, as the SSE it was (D-52).
+        """
         if self.over:
             return
-        message = flow.error.msg if flow.error else "unknown error"
-        if _client_gone(flow) and not self.timed_out:
-            self._end()
-            return
-        if self.timed_out:
-            detail = f"timed out after {self.mode.timeout:g} s"
-            error = f"upstream: {detail}"
-        elif self.relaying:
-            detail = message
-            error = f"upstream stream interrupted: {message}"
+        saw_end = self._harness_saw_end()
+        replay = None
+        failure = b""
+        try:
+            message, finish_reason = assembler.result()
+        except StreamError as exc:
+            self._fail(None, str(exc))
+            if not assembler.done:  # cut short, not ended by the upstream's own error event
+                failure = self.dialect.stream_failure(assembler, str(exc))
         else:
-            detail = message
-            error = f"upstream: {message}"
-        self._fail(None, error)
-        self._end()
-        if not self.relaying:
-            # Once relaying, mitmproxy itself drops the harness connection mid-stream.
-            body = self.dialect.error(502, f"upstream unavailable: {detail}")
-            self.mode.conns.respond(flow, 502, body)
-
-
-def _client_gone(flow: http.HTTPFlow) -> bool:
-    return bool(flow.error and flow.error.msg.startswith("Client disconnected"))
+            reply_id = getattr(assembler, "reply_id", None)
+            committed = self._commit(message, finish_reason, assembler.usage, saw_end, reply_id)
+            if committed and not saw_end:
+                replay = Replay.of(200, fields, b"".join(self.body))
+        self.body = []
+        self._end(replay)
+        for chunk in self.held:
+            self._send(chunk)
+        self.held = []
+        if failure:
+            self._send(failure)
+        assert self.stream is not None
+        self.stream.chunks.put_nowait(END)
 
 
 def _text(response: http.Response) -> str:

@@ -1,0 +1,227 @@
+"""skycap's own lean HTTP/1.1 client for text-mode model calls: keep-alive, pooled per origin.
+
+A general-purpose client (httpx over httpcore) costs several times what mitmproxy's own
+forwarding does per call (docs/performance.md), so model calls use this one: it writes
+the request mitmproxy already holds (re-targeted by `textmode`) with mitmproxy's own
+HTTP/1 assembler and parser, and reads the body as it comes, de-chunked. Every read is
+bounded by `--upstream-timeout` (time without progress, D-11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator
+
+import certifi
+from mitmproxy import http
+from mitmproxy.net.http import http1
+
+_LIMIT = 1 << 20  # the longest response head or chunk-size line
+_READ = 1 << 16
+_IDLE_PER_ORIGIN = 128
+
+Origin = tuple[str, str, int]
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or broke off; the message says how."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No progress within `--upstream-timeout`."""
+
+
+class _Method:
+    """What `expected_http_body_size` reads of the request once a response is given."""
+
+    __slots__ = ("method",)
+
+    def __init__(self, method: bytes) -> None:
+        self.method = method.decode("ascii", "replace")
+
+
+class _Conn:
+    __slots__ = ("reader", "writer", "reused")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.reused = False
+
+
+class Exchange:
+    """One response: its head (status, headers) and its body, read once with `chunks()`."""
+
+    __slots__ = ("pool", "origin", "conn", "response", "size", "_complete")
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        origin: Origin,
+        conn: _Conn,
+        response: http.Response,
+        size: int | None,
+    ) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.conn = conn
+        self.response = response
+        self.size = size  # bytes, None for chunked, -1 for "until the connection closes"
+        self._complete = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive (chunked encoding removed)."""
+        reader, pool = self.conn.reader, self.pool
+        try:
+            if self.size is None:
+                while True:
+                    line = await pool.read(reader.readline())
+                    if not line.endswith(b"\n"):
+                        raise UpstreamError("the connection closed in the middle of the body")
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                    if size == 0:
+                        while (await pool.read(reader.readline())) not in (b"\r\n", b"\n", b""):
+                            pass
+                        break
+                    yield await pool.read(reader.readexactly(size))
+                    await pool.read(reader.readexactly(2))
+            elif self.size < 0:
+                while data := await pool.read(reader.read(_READ)):
+                    yield data
+            else:
+                left = self.size
+                while left > 0:
+                    data = await pool.read(reader.read(min(left, _READ)))
+                    if not data:
+                        raise UpstreamError("the connection closed in the middle of the body")
+                    left -= len(data)
+                    yield data
+        except asyncio.IncompleteReadError:
+            raise UpstreamError("the connection closed in the middle of the body") from None
+        except ValueError as exc:
+            raise UpstreamError(f"malformed chunked body: {exc}") from None
+        self._complete = self.size is None or self.size >= 0
+
+    def close(self) -> None:
+        """Return the connection to the pool if the body was read whole and it stays open."""
+        if self._complete and not http1.connection_close(
+            self.response.data.http_version, self.response.headers
+        ):
+            self.pool.release(self.origin, self.conn)
+        else:
+            self.conn.writer.close()
+
+
+class UpstreamPool:
+    """Idle keep-alive connections per (scheme, host, port), on the loop that uses them."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self._idle: dict[Origin, list[_Conn]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    async def read(self, awaitable: object) -> bytes:
+        """Await one read, bounded by the timeout."""
+        if self.timeout is None:
+            return await awaitable  # type: ignore[misc]
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await awaitable  # type: ignore[misc]
+        except TimeoutError:
+            raise UpstreamTimeout(f"timed out after {self.timeout:g} s") from None
+
+    async def send(self, request: http.Request) -> Exchange:
+        """Write `request`, read the response head; raise UpstreamError on failure.
+
+        A reused idle connection that turns out to be closed is retried once on a new one
+        (the upstream closed it while idle; it read nothing of this request).
+        """
+        origin = (request.scheme, request.host, request.port)
+        method = request.data.method
+        head, body = _head(request), request.data.content or b""
+        while True:
+            conn = await self._connect(origin)
+            try:
+                conn.writer.write(head)
+                conn.writer.write(body)  # not joined to the head: no copy of a large body
+                answer = await self.read(conn.reader.readuntil(b"\r\n\r\n"))
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                conn.writer.close()
+                if conn.reused and not isinstance(exc, asyncio.LimitOverrunError):
+                    continue
+                raise UpstreamError(_describe(exc)) from None
+            except UpstreamError:
+                conn.writer.close()
+                raise
+            break
+        # mitmproxy's head parser leaves reference cycles through its callers' frames (its
+        # type checks raise and catch): hold no body here while it runs, so a large request
+        # is freed by reference counting, not only by the collector.
+        del request, body
+        try:
+            response = http1.read_response_head(answer.split(b"\r\n")[:-2])
+            size = http1.expected_http_body_size(_Method(method), response)
+        except ValueError as exc:
+            conn.writer.close()
+            raise UpstreamError(f"malformed response: {exc}") from None
+        return Exchange(self, origin, conn, response, size)
+
+    async def _connect(self, origin: Origin) -> _Conn:
+        idle = self._idle.get(origin)
+        while idle:
+            conn = idle.pop()
+            if not conn.writer.is_closing() and not conn.reader.at_eof():
+                conn.reused = True
+                return conn
+            conn.writer.close()
+        scheme, host, port = origin
+        tls = self._context() if scheme == "https" else None
+        try:
+            reader, writer = await self.read(
+                asyncio.open_connection(
+                    host, port, ssl=tls, server_hostname=host if tls else None, limit=_LIMIT
+                )
+            )
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
+        return _Conn(reader, writer)
+
+    def release(self, origin: Origin, conn: _Conn) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) < _IDLE_PER_ORIGIN:
+            idle.append(conn)
+        else:
+            conn.writer.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                with contextlib.suppress(Exception):
+                    conn.writer.close()
+        self._idle.clear()
+
+    def _context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context(cafile=certifi.where())
+        return self._tls
+
+
+def _head(request: http.Request) -> bytes:
+    """The request line and headers as HTTP/1.1, whatever version the harness spoke."""
+    data = request.data
+    fields = data.headers.fields
+    lines = [data.method + b" " + data.path + b" HTTP/1.1"]
+    if not any(k.lower() == b"host" for k, _ in fields):
+        lines.append(b"host: " + (request.host_header or request.host).encode("idna"))
+    lines += [k + b": " + v for k, v in fields]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "the upstream closed the connection before answering"
+    if isinstance(exc, asyncio.LimitOverrunError):
+        return "the response head is too large"
+    return str(exc) or type(exc).__name__
