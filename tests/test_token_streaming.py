@@ -300,3 +300,26 @@ def test_a_finish_during_a_stream_ends_it_with_an_error_event(
     assert control.finish(trajectory["id"]).status_code == 200
     with pytest.raises(openai.APIError, match="closed while this call ran"):
         list(stream)
+
+
+def test_a_length_stop_inside_the_thinking_streams_the_non_streamed_reply(
+    control: Control, engine: ScriptedEngine
+) -> None:
+    replies = []
+    for stream in (True, False):
+        trajectory = control.create()
+        engine.queue(THOUGHT + ANSWER)
+        sdk = _chat(trajectory).chat.completions
+        if stream:
+            chunks = list(sdk.create(model="p", messages=START, stream=True, max_tokens=8))
+            assert chunks[-1].choices[0].finish_reason == "length"
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            joined = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        else:
+            reply = sdk.create(model="p", messages=START, max_tokens=8).choices[0]
+            assert reply.finish_reason == "length"
+            joined = reply.message.reasoning_content
+        stored = control.document(trajectory["id"]).json()["nodes"][-1]["message"]
+        assert joined == stored["reasoning_content"]
+        replies.append(joined)
+    assert replies[0] == replies[1] and replies[0].startswith("I will look")

@@ -355,7 +355,13 @@ class LibraryRenderer:
             content = f"{content}\n{text}" if content else text
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.reasoning_content is not None:
-            message["reasoning_content"] = parsed.reasoning_content
+            reasoning = parsed.reasoning_content
+            if self._think_end is not None and self._think_end not in ids:
+                # Cut inside its thinking (a length stop): the library keeps the edge
+                # whitespace it trims from a closed block; trim it alike, so a reply streamed
+                # as it was sampled joins to this same message.
+                reasoning = reasoning.strip()
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return message
