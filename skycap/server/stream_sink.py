@@ -14,27 +14,18 @@ import asyncio
 import contextlib
 import secrets
 
+from skycap.server.loopback import LoopbackServer
 from skycap.tokens.streaming import ReplyStream
 
 STREAM_PREFIX = b"/stream/"
 
 
-class StreamSink:
+class StreamSink(LoopbackServer):
     """Serves registered ReplyStreams on 127.0.0.1 until `close()`."""
 
     def __init__(self) -> None:
-        self.port = 0
-        self._server: asyncio.Server | None = None
+        super().__init__()
         self._streams: dict[bytes, ReplyStream] = {}
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     def register(self, stream: ReplyStream) -> bytes:
         """The path a flow is re-targeted to for `stream` (served once)."""
