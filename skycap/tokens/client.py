@@ -109,21 +109,9 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> None:
         """Stop a streamed request inside the engine (best effort: the stream is closed too)."""
-        if not self.engine.abort_path:
-            return
-        url = self.upstream_url + self.engine.abort_path
-        try:
-            response = await self._http().post(
-                url,
-                json={"request_ids": [request_id]},
-                headers=self._auth(),
-                timeout=RELEASE_TIMEOUT,
-            )
-        except httpx.HTTPError as exc:
-            log.info("engine abort of %s failed: %s: %s", request_id, type(exc).__name__, exc)
-            return
-        if response.status_code >= 400:
-            log.info("engine abort of %s answered HTTP %s", request_id, response.status_code)
+        await self._best_effort(
+            "abort", request_id, self.engine.abort_path, json={"request_ids": [request_id]}
+        )
 
     @property
     def models_url(self) -> str:
@@ -135,21 +123,23 @@ class EngineClient:
 
     async def release(self, session_id: str) -> None:
         """Ask the engine to drop the session's state (best effort, http.md §11)."""
-        if not self.engine.release_path:
+        await self._best_effort(
+            "release", session_id, self.engine.release_path, params={"session_id": session_id}
+        )
+
+    async def _best_effort(self, what: str, subject: str, path: str | None, **request: Any) -> None:
+        """POST to one of the engine's optional routes; a failure is one info line, no more."""
+        if not path:
             return
-        url = self.upstream_url + self.engine.release_path
         try:
             response = await self._http().post(
-                url,
-                params={"session_id": session_id},
-                headers=self._auth(),
-                timeout=RELEASE_TIMEOUT,
+                self.upstream_url + path, headers=self._auth(), timeout=RELEASE_TIMEOUT, **request
             )
         except httpx.HTTPError as exc:
-            log.info("engine release of %s failed: %s: %s", session_id, type(exc).__name__, exc)
+            log.info("engine %s of %s failed: %s: %s", what, subject, type(exc).__name__, exc)
             return
         if response.status_code >= 400:
-            log.info("engine release of %s answered HTTP %s", session_id, response.status_code)
+            log.info("engine %s of %s answered HTTP %s", what, subject, response.status_code)
 
     async def close(self) -> None:
         if self._client is not None:
