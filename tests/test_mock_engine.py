@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
+import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from server_fixtures import wait_for
 
 from skycap.mock.engine import (
     FAULTS,
@@ -210,6 +214,23 @@ def test_close_fault_drops_the_connection(engine: ScriptedEngine, http: httpx.Cl
     with pytest.raises(httpx.RemoteProtocolError):
         generate(http, [1])
     assert generate(http, [1]).status_code == 200
+
+
+def handler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "process_request_thread" in t.name]
+
+
+def test_a_client_resetting_its_connection_prints_no_traceback(
+    engine: ScriptedEngine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pooled client closing with RST is a normal end; the demo's stderr stays clean."""
+    host, port = engine.url.removeprefix("http://").rstrip("/").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: engine\r\n\r\n")
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    wait_for(lambda: not handler_threads(), what="the handler thread to end")
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_fault_on_every_call_until_cleared(engine: ScriptedEngine, http: httpx.Client) -> None:

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -660,6 +661,11 @@ class _Server(ThreadingHTTPServer):
                 except OSError:
                     pass
             self.connections.clear()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets its keep-alive connection has simply left: no traceback."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

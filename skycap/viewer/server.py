@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -511,6 +512,11 @@ class ViewerServer(ThreadingHTTPServer):
             for path in STATIC_DIR.iterdir()
             if path.suffix in CONTENT_TYPES
         }
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A browser that resets its keep-alive connection has simply left: no traceback."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:
