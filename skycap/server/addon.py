@@ -41,7 +41,7 @@ from skycap.server.drain import (
     DrainSink,
     too_large_message,
 )
-from skycap.server.harness import STREAMED, Harness, harness_error, respond
+from skycap.server.harness import HARNESS_LEFT, STREAMED, Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.store import Answer, TrajectoryStore
@@ -564,6 +564,8 @@ class SkycapAddon:
                 kind = flow.metadata.get(ROUTE, (None,))[0]
                 if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):
                     self.text.on_forward_error(flow, dialect_of(flow, kind))
+            else:
+                flow.metadata[HARNESS_LEFT] = True  # a token-mode call commits marked (D-52)
         if (sent := flow.metadata.pop(SENT, None)) is not None:
             sent()  # the caller is gone: nothing left to wait for
         _release_request_body(flow)

@@ -21,6 +21,14 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.net.http import http1
 
 
+def client_connected(conn: Any) -> bool:
+    """Whether a harness's client connection is still open and writable (a reply's end
+    can still reach it); false once it closed or mitmproxy marked it unwritable."""
+    if conn.timestamp_end is not None:
+        return False
+    return bool(conn.state & ConnectionState.CAN_WRITE)
+
+
 def listen_address(proxyserver: Any, mode: type) -> tuple[str, int]:
     """(host, port) the listener of proxy mode class `mode` bound; LookupError if none did."""
     for instance in proxyserver.servers:

@@ -4,30 +4,36 @@ The addon hands a model call (with its dialect, skycap.dialects) or a model-list
 here once its body is read and within `--max-body-size` (D-10), whether it came as
 `/t/{id}/v1/...` or through the proxy listener (D-24). Text mode then forwards it with
 skycap's own client (`textmode`); token mode answers it from the token backend. Either
-way the call runs as its own task, so a client disconnect does not cancel it (http.md §5).
+way the call runs as its own task, so a client disconnect does not cancel it (http.md §5);
+the backend is told, at the commit, whether the harness is still there (D-52). A streamed
+token-mode retry of a call still running is answered from the stream sink at once, with
+keep-alives until the original's reply is there to send.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from mitmproxy import http
 
-from skycap.dialects import Dialect
+from skycap.dialects import Dialect, Request, StreamWriter
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.messages import DIALECT as MESSAGES
 from skycap.dialects.messages import models_listing
 from skycap.dialects.responses import DIALECT as RESPONSES
+from skycap.server.conns import client_connected
 from skycap.server.keys import authorized, bearer_key, key_matches, raw_header
 from skycap.server.options import ServerOptions
 from skycap.server.responses import UnknownResponse, place
-from skycap.server.retry import Conflict, Entry, Replay, call_key
+from skycap.server.retry import CallKey, Conflict, Entry, Found, Replay, call_key
 from skycap.server.store import SHUTTING_DOWN, UNKNOWN, Live, TrajectoryStore
 from skycap.server.stream_sink import StreamSink
 from skycap.server.textmode import TextCall, TextMode
+from skycap.tokens.relay import error_event, waiting_writer
 from skycap.tokens.streaming import ReplyStream
 from skycap.trajectory import is_trajectory_id
 from skycap.wire import BodyError, parse_json_body
@@ -36,6 +42,8 @@ logger = logging.getLogger("skycap.server")
 
 #: Set on a flow answered from the stream sink: its response passes through unbuffered.
 STREAMED = "skycap.streamed"
+#: Set on a token-mode flow mitmproxy gave up on (the harness left it).
+HARNESS_LEFT = "skycap.harness_left"
 
 _JSON = ((b"content-type", b"application/json"),)
 NO_UPSTREAM = (
@@ -81,6 +89,8 @@ class Harness:
         self.keepalive = options.keepalive
         #: Where streamed token-mode replies are served from (None in text mode).
         self.streams = StreamSink() if text is None else None
+        #: Streamed retries waiting on their original (held so they are not collected).
+        self._waiting: set[asyncio.Future[None]] = set()
 
     async def models(
         self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
@@ -144,7 +154,7 @@ class Harness:
         except UnknownResponse as exc:
             harness_error(flow, 404, str(exc), None, dialect, "previous_response_id")
             return None
-        entry = await self._deduplicate(flow, live, raw, dialect)
+        entry = await self._deduplicate(flow, live, raw, dialect, request)
         if entry is None:
             return None
         if self.text is not None:
@@ -228,30 +238,99 @@ class Harness:
         return "trajectory has ended"
 
     async def _deduplicate(
-        self, flow: http.HTTPFlow, live: Live, raw: bytes, dialect: Dialect
+        self, flow: http.HTTPFlow, live: Live, raw: bytes, dialect: Dialect, request: Request
     ) -> Entry | None:
         """Step 5 (http.md §5): answer a retry from its original, or register this call."""
         headers = flow.request.headers
         key = call_key(raw, headers.get("x-stainless-retry-count"), headers.get("idempotency-key"))
         if key.dedup:
+            if request.stream and self.streams is not None and live.retries.running(key):
+                self._stream_retry(flow, live, key, request, dialect)
+                return None
             try:
                 found = await live.retries.lookup(key)
             except Conflict as exc:
                 harness_error(flow, 400, str(exc), None, dialect)
                 return None
             if found is not None:
-                counters = live.trajectory.retries
-                counters["replayed"] += 1
-                if found.coalesced:
-                    counters["coalesced"] += 1
+                _count_replay(live, found)
                 replay = found.replay
                 respond(flow, replay.status, replay.body, http.Headers(replay.headers))
                 return None
-            if not live.trajectory.is_open or self.store.get(live.id) is not live:
-                status = live.trajectory.status
-                harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed", dialect)
+            if (refusal := self._closed(live)) is not None:
+                harness_error(flow, *refusal, dialect)
                 return None
         return live.retries.register(key)
+
+    def _closed(self, live: Live) -> tuple[int, str, str] | None:
+        """(status, message, code) when a retry whose original ended may not run any more."""
+        if live.closed == SHUTTING_DOWN:
+            return 503, live.closed, "server_shutting_down"
+        if not live.trajectory.is_open or self.store.get(live.id) is not live:
+            return 410, f"trajectory is {live.trajectory.status}", "trajectory_closed"
+        return None
+
+    def _stream_retry(
+        self, flow: http.HTTPFlow, live: Live, key: CallKey, request: Request, dialect: Dialect
+    ) -> None:
+        """A streamed retry of a token-mode call still running (http.md §5).
+
+        It is answered from the stream sink at once, with the dialect's keep-alive every
+        `--keepalive` seconds while the original runs, so a harness with an idle timeout
+        does not give up again; then the original's reply, as SSE. If the original ends
+        with nothing to replay, the retry runs as a new call on that same stream.
+        """
+        stream = ReplyStream(self.keepalive)
+        writer = waiting_writer(dialect, request)
+        stream.open(
+            writer.keepalive, {"content-type": "text/event-stream", "cache-control": "no-cache"}
+        )
+        present = _presence(flow, stream)
+        self._to_sink(flow, stream)
+        task = asyncio.ensure_future(
+            self._answer_retry(live, key, request, dialect, stream, writer, present)
+        )
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+
+    async def _answer_retry(
+        self,
+        live: Live,
+        key: CallKey,
+        request: Request,
+        dialect: Dialect,
+        stream: ReplyStream,
+        writer: StreamWriter,
+        present: Callable[[], bool],
+    ) -> None:
+        """Wait for the original; send its reply, or run the retry as the call (see above)."""
+        try:
+            try:
+                found = await live.retries.lookup(key)
+            except Conflict as exc:
+                stream.put(writer.error(400, str(exc)))
+                return
+            if found is not None:
+                _count_replay(live, found)
+                stream.put(found.replay.body)
+                return
+            if (refusal := self._closed(live)) is not None:
+                stream.put(writer.error(refusal[0], refusal[1]))
+                return
+            entry = live.retries.register(key)
+            task = self._start_turn(live, request, dialect, stream, present)
+            reply = await self._settle(task, None, live, entry, dialect)
+            if stream.closed:
+                return  # the turn wrote its reply, or its failure, to the stream
+            if reply is not None:  # refused before the turn opened its stream
+                stream.put(error_event(writer, reply.status, reply.body))
+            elif not live.trajectory.is_open:
+                stream.put(writer.error(410, "the trajectory was closed while this call ran"))
+            else:
+                stream.put(writer.error(500, "token mode failed; the server log says why"))
+        finally:
+            if not stream.closed:
+                stream.close()
 
     async def _token_call(
         self, flow: http.HTTPFlow, live: Live, request: Any, entry: Entry, dialect: Dialect
@@ -262,9 +341,7 @@ class Harness:
         sink and answered from there as it is generated; the turn settles when it ends.
         """
         stream = ReplyStream(self.keepalive) if request.stream and self.streams else None
-        task = asyncio.ensure_future(self.backend.call(live.trajectory, request, dialect, stream))
-        live.inflight[task] = task.cancel
-        live.touch()
+        task = self._start_turn(live, request, dialect, stream, _presence(flow, stream))
         if stream is not None:
             opened = asyncio.ensure_future(stream.opened.wait())
             try:
@@ -272,18 +349,38 @@ class Harness:
             finally:
                 opened.cancel()
             if stream.opened.is_set():
-                assert self.streams is not None
-                data = flow.request.data
-                data.scheme, data.host, data.port = b"http", "127.0.0.1", self.streams.port
-                data.path = self.streams.register(stream)
-                data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"))
-                data.content = b""
-                flow.metadata[STREAMED] = True
+                self._to_sink(flow, stream)
                 settling = asyncio.ensure_future(self._settle(task, None, live, entry, dialect))
                 live.inflight[settling] = lambda: None  # the task itself is what sealing cancels
                 settling.add_done_callback(lambda done: live.inflight.pop(done, None))
                 return
         await self._settle(task, flow, live, entry, dialect)
+
+    def _start_turn(
+        self,
+        live: Live,
+        request: Request,
+        dialect: Dialect,
+        stream: ReplyStream | None,
+        present: Callable[[], bool],
+    ) -> asyncio.Future[Any]:
+        """The backend's turn as a task of its own, in flight until it settles."""
+        task = asyncio.ensure_future(
+            self.backend.call(live.trajectory, request, dialect, stream, present)
+        )
+        live.inflight[task] = task.cancel
+        live.touch()
+        return task
+
+    def _to_sink(self, flow: http.HTTPFlow, stream: ReplyStream) -> None:
+        """Re-target the harness's flow to the stream sink, which answers it from `stream`."""
+        assert self.streams is not None
+        data = flow.request.data
+        data.scheme, data.host, data.port = b"http", "127.0.0.1", self.streams.port
+        data.path = self.streams.register(stream)
+        data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"))
+        data.content = b""
+        flow.metadata[STREAMED] = True
 
     async def _settle(
         self,
@@ -292,8 +389,11 @@ class Harness:
         live: Live,
         entry: Entry,
         dialect: Dialect,
-    ) -> None:
-        """Wait for the turn; settle its retry entry, count the commit, answer `flow` if any."""
+    ) -> Any:
+        """Wait for the turn; settle its retry entry, count the commit, answer `flow` if any.
+
+        Returns the turn's Reply, or None when it was cancelled or failed.
+        """
         try:
             reply = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -313,7 +413,7 @@ class Harness:
             entry.settle(None)
             if flow is not None and flow.response is None and flow.killable:
                 flow.kill()
-            return
+            return None
         fields = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
         entry.settle(Replay.of(reply.status, fields, reply.body) if reply.replayable else None)
         if reply.call is not None:
@@ -322,6 +422,27 @@ class Harness:
             live.cancel_inflight()
         if flow is not None:
             respond(flow, reply.status, reply.body, reply.headers)
+        return reply
+
+
+def _count_replay(live: Live, found: Found) -> None:
+    counters = live.trajectory.retries
+    counters["replayed"] += 1
+    if found.coalesced:
+        counters["coalesced"] += 1
+
+
+def _presence(flow: http.HTTPFlow, stream: ReplyStream | None) -> Callable[[], bool]:
+    """Whether the harness of `flow` is still there to receive its reply's end (D-52):
+    its connection is open and it has not left the flow or, streamed, the stream."""
+    conn, metadata = flow.client_conn, flow.metadata
+
+    def present() -> bool:
+        if metadata.get(HARNESS_LEFT) or (stream is not None and stream.harness_left):
+            return False
+        return client_connected(conn)
+
+    return present
 
 
 def key_refusal(header: bytes | None, api_key: bytes | None = None) -> str:

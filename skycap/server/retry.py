@@ -119,6 +119,11 @@ class RetryCache:
             if self._entries.get(call.key) is entry:
                 return None
 
+    def running(self, call: CallKey) -> bool:
+        """Whether an earlier call with this key and body is still running (`lookup` waits)."""
+        entry = self._current(call.key)
+        return entry is not None and entry.digest == call.digest and not entry.outcome.done()
+
     def register(self, call: CallKey) -> Entry:
         """A fresh entry for a call about to run, replacing any older one under its key."""
         self._expire()

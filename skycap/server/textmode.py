@@ -22,11 +22,10 @@ from typing import Any
 
 import orjson
 from mitmproxy import http
-from mitmproxy.connection import ConnectionState
 
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
-from skycap.server.conns import Connections
+from skycap.server.conns import Connections, client_connected
 from skycap.server.options import ServerOptions
 from skycap.server.relay import BROKEN, END, Stream, StreamRelay
 from skycap.server.retry import Entry, Replay
@@ -285,9 +284,7 @@ class TextCall:
 
     def _harness_saw_end(self) -> bool:
         """Whether the harness is still there to receive the reply's end."""
-        if self.gone or self.client_conn.timestamp_end is not None:
-            return False
-        return bool(self.client_conn.state & ConnectionState.CAN_WRITE)
+        return not self.gone and client_connected(self.client_conn)
 
     def _commit(
         self,

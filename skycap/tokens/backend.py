@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,12 +219,15 @@ class TokenBackend:
         request: Request,
         dialect: Dialect,
         stream: ReplyStream | None = None,
+        harness_present: Callable[[], bool] | None = None,
     ) -> Reply:
         """Run one turn for a call read by `dialect` (http.md §9.2); always returns a Reply.
 
         With `stream` (a streamed call), the reply is written there as it is generated once
         nothing can refuse the call; a failure after that ends it with the dialect's error
         event. The Reply returned is then the whole stream, for retries to replay.
+        `harness_present`, asked at the commit, says whether the harness is still there to
+        receive the reply's end; a call committed without it is marked (D-52).
         """
         state = self._states.setdefault(trajectory.id, _TrajectoryState())
         async with state.lock:
@@ -236,7 +239,7 @@ class TokenBackend:
                 return _error(dialect, 400, request.token_refusal)
             relay = Relay(stream) if stream is not None and request.stream else None
             try:
-                return await self._turn(trajectory, request, dialect, state, relay)
+                return await self._turn(trajectory, request, dialect, state, relay, harness_present)
             except _TurnFailed as failed:
                 if relay is not None:
                     relay.fail(failed.reply.status, failed.reply.body)
@@ -259,6 +262,7 @@ class TokenBackend:
         dialect: Dialect,
         state: _TrajectoryState,
         relay: Relay | None,
+        harness_present: Callable[[], bool] | None,
     ) -> Reply:
         t_start = time.time()
         # A dialect whose tools a template cannot all express renders fewer (D-29).
@@ -317,6 +321,8 @@ class TokenBackend:
             call["omitted_tools"] = request.extras["omitted_tools"]
         if dialect.reply_id_key is not None:
             call[dialect.reply_id_key] = reply_id
+        if harness_present is not None and not harness_present():
+            call["harness_saw_end"] = False  # D-52: committed after the harness went away
         status = self._commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
         answered = answered_message(
             stored, use_raw_content=self.use_raw_content, reasoning_field=self.reasoning_field

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from skycap.dialects import Dialect, ReplyData, StreamWriter
+from skycap.dialects import Dialect, ReplyData, Request, StreamWriter
+from skycap.dialects.writers import stream_writer
 from skycap.tokens.client import EngineClient
 from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
 from skycap.tokens.plan import Plan
@@ -166,12 +168,25 @@ class Relay:
         if self.writer is None or self._closed:
             return
         self._closed = True
-        try:
-            message = _error_message(orjson.loads(body))
-        except orjson.JSONDecodeError:
-            message = body.decode("utf-8", "replace")
-        self.stream.put(self.writer_or_fail().error(status, message))
+        self.stream.put(error_event(self.writer_or_fail(), status, body))
         self.stream.close()
+
+
+def waiting_writer(dialect: Dialect, request: Request) -> StreamWriter:
+    """A writer for a stream that waits for a reply written elsewhere (a retry waiting on
+    its original): only its `keepalive` and `error` are used, never `start`."""
+    model = request.model if isinstance(request.model, str) else ""
+    head = ReplyData(dialect.reply_id(), int(time.time()), model, {}, "", 0, 0, request)
+    return stream_writer(dialect, head, ())
+
+
+def error_event(writer: StreamWriter, status: int, body: bytes) -> bytes:
+    """The dialect's error event for a failure whose error JSON is `body`."""
+    try:
+        message = _error_message(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        message = body.decode("utf-8", "replace")
+    return writer.error(status, message)
 
 
 def _error_message(body: Any) -> str:

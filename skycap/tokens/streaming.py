@@ -51,6 +51,8 @@ class ReplyStream:
         self._keepalive: Callable[[], bytes] = bytes
         #: Set by the server when the harness did not read the stream to its end.
         self.harness_left = False
+        #: Whether `close()` was called: the reply's last bytes are written.
+        self.closed = False
 
     def open(self, keepalive: Callable[[], bytes], headers: dict[str, str]) -> None:
         """Start answering; `keepalive` makes the bytes sent after each silence."""
@@ -63,6 +65,7 @@ class ReplyStream:
             self._queue.put_nowait(data)
 
     def close(self) -> None:
+        self.closed = True
         self._queue.put_nowait(None)
 
     async def chunks(self) -> AsyncIterator[bytes]:
