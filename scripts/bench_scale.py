@@ -48,7 +48,7 @@ def role(kind: str) -> None:
         print(server.start(), flush=True)
     else:
         from skycap.mock.engine import ScriptedEngine
-        from skycap.tokens.renderer import bundled_qwen3_dir
+        from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
         server = ScriptedEngine(str(bundled_qwen3_dir()))
         print(server.start(), flush=True)
@@ -251,7 +251,7 @@ def bench_tokens(engine: str, quick: bool) -> None:
     print("\n## token mode (turns/s after the first call, CPU per turn)\n")
     print("| history | workers | renderer pool | turns/s | ×1 worker, pool 1 | CPU ms/turn |")
     print("|---|---|---|---|---|---|")
-    from skycap.tokens.renderer import bundled_qwen3_dir
+    from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
     folder = str(bundled_qwen3_dir())
     for history in (8_000, 64_000):

@@ -39,7 +39,7 @@ from skycap.dialects.chat import DIALECT as CHAT
 from skycap.hashing import bytes_digest, tools_hash
 from skycap.tokens.backend import TokenBackend
 from skycap.tokens.plan import plan_turn
-from skycap.tokens.renderer import bundled_qwen3_dir
+from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 from skycap.trajectory import Trajectory
 from skycap.wire import parse_json_body
 
@@ -100,6 +100,7 @@ class FakeEngineBackend(TokenBackend):
         self.experts = experts
         self._tokenizer = self._pool.primary._tokenizer
         self.calls = 0
+        self.client.generate = self._post_engine  # type: ignore[method-assign]
 
     async def _post_engine(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
         started, cpu = time.perf_counter(), time.process_time()
@@ -399,7 +400,7 @@ def bench_streaming(folder: str) -> dict[str, float]:
 
     from skycap import CaptureService
     from skycap.mock.engine import ScriptedEngine
-    from skycap.tokens.renderer import LibraryRenderer
+    from skycap.tokens.library_renderer import LibraryRenderer
 
     text = (
         "<think>\n" + words(STREAM_TOKENS // 2, 1) + "\n</think>\n\n" + words(STREAM_TOKENS // 2, 2)

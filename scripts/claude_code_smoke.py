@@ -142,7 +142,7 @@ def capture_server(
     from transformers import AutoTokenizer
 
     from skycap.mock.engine import ScriptedEngine
-    from skycap.tokens.renderer import bundled_qwen3_dir
+    from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
     folder = bundled_qwen3_dir()
     if folder is None:

@@ -49,7 +49,7 @@ def qwen3_renderer(qwen3_dir: Path):
     Not thread-safe: a test or server may use it from one thread at a time, which holds
     as tests run one after another and module-scoped servers stop at their module's end.
     """
-    from skycap.tokens.renderer import LibraryRenderer
+    from skycap.tokens.library_renderer import LibraryRenderer
 
     return LibraryRenderer(qwen3_dir, renderer_name="qwen3")
 

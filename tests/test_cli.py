@@ -63,7 +63,7 @@ def test_no_pytorch_notice_when_skycap_loads_a_tokenizer(qwen3_dir: Path) -> Non
     if "PyTorch was not found" not in plain.stderr:
         pytest.skip("this environment has PyTorch: transformers prints no notice to hide")
     code = (
-        "import sys; from skycap.tokens.renderer import LibraryRenderer; "
+        "import sys; from skycap.tokens.library_renderer import LibraryRenderer; "
         f"LibraryRenderer({str(qwen3_dir)!r}, renderer_name='qwen3'); print('loaded')"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

@@ -59,6 +59,8 @@ def skycap_imports(path: Path) -> set[str]:
             imported |= {a.name for a in node.names if a.name.startswith("skycap")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("skycap"):
             imported.add(node.module)
+            # `from skycap.tokens import inference` imports that module too
+            imported |= {f"{node.module}.{a.name}" for a in node.names} & MODULES.keys()
     return imported
 
 
@@ -73,6 +75,37 @@ def test_every_module_imports_only_its_layer_or_below() -> None:
         for target in skycap_imports(path):
             if layer_of(target) > layer_of(name):
                 wrong.append(f"{name} (layer {layer_of(name)}) imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+# docs/architecture.md, "Token mode": within skycap.tokens, the renderer protocol knows no
+# renderer, the pieces of a turn know nothing of the turn, and only the backend runs it.
+TOKEN_FLOORS = [
+    ("tokenizer_env", "renderer", "engine", "sampling", "deltas", "models", "outcome"),
+    ("memo_tokenizer", "library", "library_renderer", "renderer_pool"),
+    ("client", "engine_stream", "stops", "plan", "commit", "interned", "reply", "settings"),
+    ("streaming", "relay"),
+    ("inference", "turn"),
+    ("backend",),
+]
+
+
+def token_floor(module: str) -> int:
+    leaf = module.removeprefix("skycap.tokens.")
+    for level, names in enumerate(TOKEN_FLOORS):
+        if leaf in names:
+            return level
+    raise AssertionError(f"{module} is on no floor of TOKEN_FLOORS in tests/test_layers.py")
+
+
+def test_token_modules_import_only_their_floor_or_below() -> None:
+    tokens = [name for name in MODULES if name.startswith("skycap.tokens.")]
+    wrong = [
+        f"{name} (floor {token_floor(name)}) imports {target}"
+        for name in tokens
+        for target in skycap_imports(MODULES[name])
+        if target.startswith("skycap.tokens.") and token_floor(target) > token_floor(name)
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -14,7 +14,7 @@ from server_fixtures import Control, ServerThread, TextScript, anthropic_sdk, re
 
 from skycap.mock.engine import ScriptedEngine
 from skycap.server.options import ServerOptions
-from skycap.tokens.renderer import LibraryRenderer
+from skycap.tokens.library_renderer import LibraryRenderer
 
 TOOLS = [
     {

@@ -13,20 +13,19 @@ from typing import Any
 import pytest
 
 from skycap.hashing import canonical_json
+from skycap.tokens.library import create_library_renderer
+from skycap.tokens.library_renderer import LibraryRenderer
+from skycap.tokens.memo_tokenizer import MEMO_MAX_CHARS, MemoTokenizer
 from skycap.tokens.renderer import (
-    MEMO_MAX_CHARS,
-    LibraryRenderer,
     Rendered,
     Renderer,
-    RendererPool,
     RenderError,
-    _create_library_renderer,
-    _MemoTokenizer,
-    bundled_qwen3_dir,
     parse_reply,
     raw_content,
     tool_call_id,
 )
+from skycap.tokens.renderer_pool import RendererPool
+from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
 TOOLS = [
     {
@@ -416,11 +415,11 @@ NEW_MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def memo_pair(qwen3_renderer: LibraryRenderer) -> tuple[LibraryRenderer, _MemoTokenizer]:
-    """A renderer whose library sees the session tokenizer through a fresh _MemoTokenizer."""
-    memo_tokenizer = _MemoTokenizer(qwen3_renderer._tokenizer)
+def memo_pair(qwen3_renderer: LibraryRenderer) -> tuple[LibraryRenderer, MemoTokenizer]:
+    """A renderer whose library sees the session tokenizer through a fresh MemoTokenizer."""
+    memo_tokenizer = MemoTokenizer(qwen3_renderer._tokenizer)
     memo = copy.copy(qwen3_renderer)
-    memo._lib = _create_library_renderer(memo_tokenizer, "qwen3", None, "qwen3")
+    memo._lib = create_library_renderer(memo_tokenizer, "qwen3", None, "qwen3")
     return memo, memo_tokenizer
 
 
@@ -439,11 +438,11 @@ def every_output(renderer: LibraryRenderer, encode) -> list[Any]:
 
 
 def test_memoised_encodes_give_the_same_render_bridge_and_parse(
-    qwen3_renderer: LibraryRenderer, memo_pair: tuple[LibraryRenderer, _MemoTokenizer], encode
+    qwen3_renderer: LibraryRenderer, memo_pair: tuple[LibraryRenderer, MemoTokenizer], encode
 ) -> None:
     memo, memo_tokenizer = memo_pair
     plain = copy.copy(qwen3_renderer)
-    plain._lib = _create_library_renderer(qwen3_renderer._tokenizer, "qwen3", None, "qwen3")
+    plain._lib = create_library_renderer(qwen3_renderer._tokenizer, "qwen3", None, "qwen3")
     expected = every_output(plain, encode)
     cold = every_output(memo, encode)
     assert cold == expected
@@ -459,7 +458,7 @@ def test_memoised_encodes_give_the_same_render_bridge_and_parse(
 
 
 def test_memo_tokenizer_answers_fresh_lists_and_passes_other_calls_through(
-    memo_pair: tuple[LibraryRenderer, _MemoTokenizer],
+    memo_pair: tuple[LibraryRenderer, MemoTokenizer],
 ) -> None:
     _, memo = memo_pair
     tokenizer = memo._inner

@@ -13,8 +13,9 @@ from skycap.hashing import token_match, tools_hash
 from skycap.tokens.commit import commit_turn
 from skycap.tokens.engine import EngineOutput
 from skycap.tokens.interned import turn_lists as _turn_lists
+from skycap.tokens.library_renderer import LibraryRenderer
 from skycap.tokens.plan import Plan, PlanError, TurnLists, attribute, plan_turn
-from skycap.tokens.renderer import LibraryRenderer, Rendered
+from skycap.tokens.renderer import Rendered
 from skycap.trajectory import Trajectory
 
 TOOLS = [

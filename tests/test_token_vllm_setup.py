@@ -20,8 +20,10 @@ from skycap.cli.main import main as skycap_main
 from skycap.mock.engine import Reply, ScriptedEngine
 from skycap.server.options import ServerOptions
 from skycap.tokens.backend import TokenBackend
+from skycap.tokens.library import renderer_names
+from skycap.tokens.library_renderer import LibraryRenderer
 from skycap.tokens.models import ServedModel
-from skycap.tokens.renderer import LibraryRenderer, RenderError, raw_content, renderer_names
+from skycap.tokens.renderer import RenderError, raw_content
 from skycap.tokens.sampling import load_generation_config
 
 START = [{"role": "user", "content": "find x"}]

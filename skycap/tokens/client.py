@@ -121,6 +121,12 @@ class EngineClient:
         """GET the engine's `/v1/models`; transport failures raise httpx errors."""
         return await self._http().get(self.models_url, headers=self._auth(), timeout=timeout)
 
+    async def list_models(self) -> tuple[int, bytes]:
+        """`/v1/models` briefly, for learning the served name: (status, body); transport
+        failures raise httpx errors (skycap.tokens.models.ServedModel's lister)."""
+        response = await self.models(timeout=CONNECT_TIMEOUT)
+        return response.status_code, response.content
+
     async def release(self, session_id: str) -> None:
         """Ask the engine to drop the session's state (best effort, http.md §11)."""
         await self._best_effort(

@@ -21,7 +21,8 @@ from skycap.dialects.writers import stream_writer
 from skycap.tokens.client import EngineClient
 from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
 from skycap.tokens.plan import Plan
-from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer, RendererPool
+from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer
+from skycap.tokens.renderer_pool import RendererPool
 from skycap.tokens.reply import reply_message
 from skycap.tokens.streaming import ReplyStream, StreamedCompletion, stream_completion
 

@@ -28,7 +28,8 @@ from skycap.tokens.client import EngineClient
 from skycap.tokens.deltas import REASONING, DeltaSplitter
 from skycap.tokens.engine import EngineOutput
 from skycap.tokens.engine_stream import EngineStream
-from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, RendererPool
+from skycap.tokens.renderer import RAW_CONTENT_CONTEXT
+from skycap.tokens.renderer_pool import RendererPool
 from skycap.tokens.stops import StopMatch, cut_completion, find_stop
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,95 @@
+"""The renderer pool: renderer slots on worker threads, so renderer work never runs on the
+event loop, and the pool token mode builds from its options (the library's or a ready one)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from skycap.tokens.library_renderer import LibraryRenderer
+from skycap.tokens.renderer import Renderer
+
+T = TypeVar("T")
+
+
+class RendererPool:
+    """`size` renderer slots used from worker threads, never on the event loop.
+
+    Each slot owns its renderer (tokenizers are not safe to share across threads for every
+    operation). The first slot is built on the calling thread, so a download or a bad
+    tokenizer name fails there; the others are built lazily by the thread that first needs
+    one. A custom renderer goes in as `RendererPool(lambda: renderer, 1)`.
+    """
+
+    def __init__(self, factory: Callable[[], Renderer], size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"renderer_pool_size must be an integer >= 1, got {size!r}")
+        self._factory = factory
+        self._size = size
+        self.primary: Renderer = factory()
+        self._free: list[Renderer] = [self.primary]
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(size)
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="skycap-render")
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def call(self, fn: Callable[[Renderer], T]) -> T:
+        """Run `fn(renderer)` on the calling (non-loop) thread with a slot held."""
+        with self._slots:
+            renderer = self._acquire()
+            try:
+                return fn(renderer)
+            finally:
+                with self._lock:
+                    self._free.append(renderer)
+
+    async def run(self, fn: Callable[[Renderer], T]) -> T:
+        """Run `fn(renderer)` on a pool thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.call, fn)
+
+    def _acquire(self) -> Renderer:
+        """A free renderer, or a new one: the semaphore caps how many exist at `size`."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._factory()
+
+    def close(self) -> None:
+        """Stop the worker threads; calls already running finish first."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def renderer_pool(
+    tokenizer: str | None,
+    renderer: Renderer | None,
+    renderer_name: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    size: int,
+) -> RendererPool:
+    """The default library renderer pool, or a ready renderer in a one-slot pool."""
+    if isinstance(renderer, str):
+        raise ValueError(
+            f"renderer= takes a renderer object, got the string {renderer!r}; pass a renderer "
+            "name as renderer_name= (--renderer)"
+        )
+    if (tokenizer is None) == (renderer is None):
+        raise ValueError("token mode needs exactly one of tokenizer= (--tokenizer) or renderer=")
+    if renderer is not None:
+        if renderer_name is not None or chat_template_kwargs is not None:
+            raise ValueError(
+                "renderer_name and chat_template_kwargs configure the default renderer; "
+                "they cannot be combined with a ready renderer="
+            )
+        return RendererPool(lambda: renderer, 1)
+    return RendererPool(
+        lambda: LibraryRenderer(
+            tokenizer, renderer_name=renderer_name, chat_template_kwargs=chat_template_kwargs
+        ),
+        size,
+    )
