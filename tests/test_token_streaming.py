@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,10 +12,17 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
 from server_fixtures import Control, ServerThread, control, wait_for
 
+from skycap.dialects.chat import DIALECT as CHAT
+from skycap.dialects.messages import DIALECT as MESSAGES
 from skycap.mock.engine import Reply, ScriptedEngine, scripted_logprob
+from skycap.tokens.backend import TokenBackend
+from skycap.tokens.engine import VLLMEngine
+from skycap.tokens.streaming import ReplyStream
+from skycap.trajectory import Trajectory
 
 TOOLS = [
     {
@@ -323,3 +331,47 @@ def test_a_length_stop_inside_the_thinking_streams_the_non_streamed_reply(
         assert joined == stored["reasoning_content"]
         replies.append(joined)
     assert replies[0] == replies[1] and replies[0].startswith("I will look")
+
+
+class _WireThatCannotStream(VLLMEngine):
+    """An engine wire without streaming: the reply is synthesised at the end."""
+
+    def stream_request(self, body: Any, request_id: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize("dialect", [MESSAGES, CHAT])
+def test_a_wire_that_cannot_stream_sends_one_whole_reply_after_the_start(
+    dialect: Any, engine: ScriptedEngine, qwen3_renderer: Any
+) -> None:
+    body = {"model": "p", "max_tokens": 64, "messages": START, "stream": True}
+
+    async def run() -> tuple[bytes, Any]:
+        backend = TokenBackend(
+            upstream_url=engine.url, renderer=qwen3_renderer, engine=_WireThatCannotStream()
+        )
+        trajectory = Trajectory("tr_00000000000000c1", capture=backend.capture)
+        stream = ReplyStream(30)
+        try:
+            reply = await backend.call(trajectory, dialect.read(body), dialect, stream)
+        finally:
+            await backend.close()
+        return b"".join([chunk async for chunk in stream.chunks()]), reply
+
+    engine.queue(THOUGHT + ANSWER)
+    sent, reply = asyncio.run(run())
+    assert reply.status == 200 and reply.call is not None
+    # What the harness got is one reply, the one a retry replays: no second start.
+    assert _events(sent) == _events(reply.body)
+    assert ANSWER.encode() in sent
+
+
+def _events(sse: bytes) -> list[str]:
+    """Each event's type (Messages) or each chunk's delta keys (Chat), in order."""
+    kinds = []
+    for line in sse.decode().splitlines():
+        if line.startswith("event: "):
+            kinds.append(line[len("event: ") :])
+        elif line.startswith("data: {") and '"choices"' in line:
+            kinds.append(",".join(sorted(orjson.loads(line[6:])["choices"][0]["delta"])))
+    return kinds

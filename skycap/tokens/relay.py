@@ -135,8 +135,12 @@ class Relay:
 
         The reasoning issued while streaming keeps the ids it was sent with; a thinking
         block that never closed is closed now, with the whole completion's signature.
+        When nothing streamed (the engine's wire or the renderer cannot), all of it is
+        sent now, after the start the stream opened with.
         """
         writer = self.writer_or_fail()
+        if self.splitter is None:
+            self.splitter = DeltaSplitter(None, raw=True, thinking=False, hold=0)
         if issued is not None and issued.get("reasoning_content") == stored.get(
             "reasoning_content"
         ):
@@ -157,9 +161,9 @@ class Relay:
         elif rest:
             self.stream.put(self.writer_or_fail().delta(part, rest))
 
-    def end(self, data: ReplyData, whole: bytes | None) -> None:
-        """After the commit: the rest of the reply (or all of it, when nothing streamed)."""
-        self.stream.put(whole if whole is not None else self.writer_or_fail().end(data))
+    def end(self, data: ReplyData) -> None:
+        """After the commit: the rest of the reply (tool calls, the finish)."""
+        self.stream.put(self.writer_or_fail().end(data))
         self.stream.close()
         self._closed = True
 

@@ -85,8 +85,8 @@ async def run_turn(
     think = reasoning_tokens(output.completion_ids, settings.think_end)
     reasoning_ids = output.completion_ids[:think] if think else None
     stored = dialect.issue(stored, output.completion_ids, reasoning_ids)
-    if streamed is not None and relay is not None:
-        stored = relay.finish_parts(stored, streamed.reasoning)
+    if relay is not None:
+        stored = relay.finish_parts(stored, None if streamed is None else streamed.reasoning)
     reason = "stop" if stop else finish_reason(output.finish_reason, stored)
     forced = names_a_function(request.extras.get("tool_choice"))
     if reason == "tool_calls" and forced and dialect.name == "chat":
@@ -133,7 +133,7 @@ async def run_turn(
     reply = _answer(request, dialect, data, status)
     committed = call if status == "ok" else None
     if relay is not None:
-        relay.end(data, reply.body if streamed is None else None)
+        relay.end(data)
     return Reply(reply.status, reply.headers, reply.body, reply.replayable, committed)
 
 
