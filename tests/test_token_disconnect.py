@@ -162,6 +162,29 @@ def test_a_streamed_retry_through_the_sdk_gets_the_original_reply(
     assert control.document(trajectory["id"]).json()["retries"]["coalesced"] == 1
 
 
+def test_a_streamed_responses_retry_through_the_sdk_reads_past_the_keepalive_events(
+    control: Control, engine: ScriptedEngine
+) -> None:
+    trajectory = control.create()
+    engine.queue(ANSWER)
+    engine.hold_stream(before_chunk=3)
+    client = openai.OpenAI(
+        base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0, timeout=5
+    )
+    first = client.responses.create(model="p", input="find x", stream=True)
+    next(iter(first))
+    first.close()
+    retry = client.responses.create(
+        model="p", input="find x", stream=True, extra_headers={"x-stainless-retry-count": "1"}
+    )
+    events = iter(retry)
+    assert next(events).type == "keepalive"  # sent while the original is held
+    engine.resume_stream()
+    rest = list(events)
+    completed = [e for e in rest if e.type == "response.completed"]
+    assert len(completed) == 1 and completed[0].response.output_text == ANSWER
+
+
 def test_a_retry_whose_original_fails_runs_as_the_call_on_its_waiting_stream(
     control: Control, engine: ScriptedEngine
 ) -> None:
