@@ -216,6 +216,28 @@ def test_a_retry_whose_original_fails_runs_as_the_call_on_its_waiting_stream(
     assert document["retries"] == {"replayed": 0, "coalesced": 0}
 
 
+def test_a_finish_while_a_retry_waits_ends_its_stream_with_an_error_event(
+    control: Control, engine: ScriptedEngine
+) -> None:
+    path, body, keepalive, _ = DIALECTS["chat"]
+    trajectory = control.create()
+    url = trajectory["base_url"] + path
+    raw = orjson.dumps(body)
+    engine.queue(ANSWER)
+    engine.hold_stream(before_chunk=3)
+    _leave_after_the_first_event(url, raw)
+    headers = {"content-type": "application/json", "x-stainless-retry-count": "1"}
+    lines: list[str] = []
+    with httpx.stream("POST", url, content=raw, headers=headers, timeout=5) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if line == keepalive and lines.count(keepalive) == 1:
+                assert control.finish(trajectory["id"]).status_code == 200
+    errors = [orjson.loads(line[6:]) for line in lines if line.startswith('data: {"error"')]
+    assert len(errors) == 1 and "trajectory is" in errors[0]["error"]["message"]
+    assert not any(line.startswith('data: {"id"') for line in lines)  # no reply after it
+
+
 def test_a_stream_whose_harness_left_is_marked_and_one_read_to_its_end_is_not(
     control: Control, engine: ScriptedEngine
 ) -> None:

@@ -263,9 +263,12 @@ class Harness:
         return live.retries.register(key)
 
     def _closed(self, live: Live) -> tuple[int, str, str] | None:
-        """(status, message, code) when a retry whose original ended may not run any more."""
-        if live.closed == SHUTTING_DOWN:
-            return 503, live.closed, "server_shutting_down"
+        """(status, message, code) when a retry whose original ended may not run any more:
+        the trajectory was closed to calls (as at the gate) or sealed while it waited."""
+        if live.closed is not None:
+            if live.closed == SHUTTING_DOWN:
+                return 503, live.closed, "server_shutting_down"
+            return 410, live.closed, "trajectory_closed"
         if not live.trajectory.is_open or self.store.get(live.id) is not live:
             return 410, f"trajectory is {live.trajectory.status}", "trajectory_closed"
         return None
