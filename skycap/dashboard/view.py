@@ -85,8 +85,6 @@ SORT_NAMES = {label: key for key, (label, _) in SORT_KEYS.items()}
 
 # -- filters ---------------------------------------------------------------------------------
 
-FILTER_FIELDS = ("task", "step", "status", "id")
-
 
 def matches(entry: Entry, query: str) -> bool:
     """Whether a row passes the filter: every word must match (case-insensitive).

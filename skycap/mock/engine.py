@@ -290,14 +290,11 @@ class ScriptedEngine:
         served name, at start or on its first call.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._generate_count() >= count, timeout):
+            if not self._cond.wait_for(lambda: len(self.generated) >= count, timeout):
                 raise TimeoutError(
-                    f"scripted engine got {self._generate_count()} generate requests, expected "
+                    f"scripted engine got {len(self.generated)} generate requests, expected "
                     f"{count} within {timeout} s"
                 )
-
-    def _generate_count(self) -> int:
-        return sum(1 for r in self.requests if r.path.split("?", 1)[0] == GENERATE_PATH)
 
     def default_reply(self, body: dict[str, Any]) -> Reply:
         """A deterministic episode: call the first offered tool twice, then answer.
@@ -691,8 +688,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         engine = self.server.engine
         engine._record(Request("GET", self.path, dict(self.headers.items()), None))
-        if self.path.split("?", 1)[0] != "/v1/models":
-            self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
+        if self._route() != "/v1/models":
+            self._no_route()
             return
         models = [{"id": m, "object": "model", "owned_by": "vllm"} for m in engine.models]
         self._send(200, _json({"object": "list", "data": models}))
@@ -705,11 +702,12 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = None
         engine._record(Request("POST", self.path, dict(self.headers.items()), body))
-        if self.path.split("?", 1)[0] == ABORT_PATH:
+        route = self._route()
+        if route == ABORT_PATH:
             self._send(*engine._abort(body))
             return
-        if self.path.split("?", 1)[0] != GENERATE_PATH:
-            self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
+        if route != GENERATE_PATH:
+            self._no_route()
             return
         answer = engine._generate(body)
         if answer is None:
@@ -759,6 +757,12 @@ class _Handler(BaseHTTPRequestHandler):
                 engine._cond.notify_all()
         except OSError:
             self.close_connection = True  # the client went away: vLLM aborts the request
+
+    def _route(self) -> str:
+        return self.path.split("?", 1)[0]
+
+    def _no_route(self) -> None:
+        self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

@@ -338,9 +338,7 @@ class TrajectoryStore:
             try:
                 rows_from_samples_field(trajectory.graph, recorded)
             except (ValueError, AttributeError) as exc:  # a damaged record (issue 17)
-                return Answer.error(
-                    500, f"the record of {trajectory.id} cannot be read: {exc}", "record_error"
-                )
+                return _unreadable(trajectory.id, exc, "record_error")
         if recorded is not None and paths is not None and paths != recorded.get("paths"):
             return Answer.error(
                 409, f"trajectory already finished with paths='{recorded.get('paths')}'"
@@ -487,7 +485,7 @@ class TrajectoryStore:
             return await asyncio.to_thread(_load_complete, self.record_dir, trajectory_id)
         except (RecordError, OSError) as exc:
             logger.warning("reading the record of %s failed: %s", trajectory_id, exc)
-            return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
+            return _unreadable(trajectory_id, exc)
 
     def _location(self, trajectory_id: str, files: list[str] | None = None) -> dict[str, Any]:
         assert self.record_dir is not None
@@ -534,7 +532,7 @@ class TrajectoryStore:
         try:
             return Answer(200, await asyncio.to_thread(_stored_document, path))
         except (RecordError, OSError) as exc:
-            return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}")
+            return _unreadable(trajectory_id, exc)
 
     def record_location(self, trajectory_id: str) -> Answer:
         """`GET /trajectories/{id}/record`: where the record is and its mirror copy's state
@@ -798,6 +796,11 @@ def _load_complete(record_dir: Path, trajectory_id: str) -> Trajectory:
 
 def _stored_document(path: Path) -> bytes:
     return orjson.dumps(read_document(path))
+
+
+def _unreadable(trajectory_id: str, exc: Exception, code: str | None = None) -> Answer:
+    """The 500 for a record on disk that cannot be read (or is damaged)."""
+    return Answer.error(500, f"the record of {trajectory_id} cannot be read: {exc}", code)
 
 
 def primary_address() -> str:
