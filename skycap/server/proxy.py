@@ -44,7 +44,7 @@ from skycap.dialects.chat import openai_error
 from skycap.server.destinations import Destinations
 from skycap.server.keys import basic_credentials, raw_header
 from skycap.server.live import Live
-from skycap.server.store import TrajectoryStore
+from skycap.server.store import UNKNOWN, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
 
 logger = logging.getLogger("skycap.server")
@@ -56,7 +56,6 @@ MISSING = (
     "POST /trajectories returned"
 )
 MALFORMED = "Proxy-Authorization must be Basic base64(<trajectory id>:<api_key>)"
-UNKNOWN = "unknown trajectory"
 WRONG_KEY = "wrong api_key for trajectory"
 CLOSED_PASS = "trajectory has ended; its proxy no longer forwards other traffic"
 
