@@ -14,6 +14,7 @@ DETAIL_CALLS = 50
 
 
 def detail_lines(view: View, width: int, now: float) -> list[Text]:
+    """The detail screen of `view.detail`, with its document's calls once it is read."""
     entry = view.detail
     assert entry is not None
     row = entry.row
