@@ -37,6 +37,34 @@ LAYERS = [
     ("skycap.cli",),
 ]
 
+# docs/architecture.md "Inside a package": where a large module was cut into pieces, each
+# piece sits below what it was cut from, in ranks read bottom up; a module imports only
+# modules of its own rank or below in its chain.
+INNER_LAYERS = [
+    [
+        ("skycap.server.answer", "skycap.server.live", "skycap.server.records"),
+        ("skycap.server.store",),
+    ],
+    [
+        ("skycap.mock.vllm_rules", "skycap.mock.engine_wire"),
+        ("skycap.mock.engine_http",),
+        ("skycap.mock.engine",),
+    ],
+    [
+        ("skycap.mock.replies", "skycap.mock.h11_io"),
+        ("skycap.mock.chat_wire",),
+        ("skycap.mock.upstream",),
+        ("skycap.mock.anthropic", "skycap.mock.responses"),
+    ],
+    [
+        ("skycap.dashboard.layout", "skycap.dashboard.poll"),
+        ("skycap.dashboard.entries",),
+        ("skycap.dashboard.columns", "skycap.dashboard.view"),
+        ("skycap.dashboard.detail",),
+        ("skycap.dashboard.frames",),
+    ],
+]
+
 
 def layer_of(module: str) -> int:
     for level, prefixes in enumerate(LAYERS):
@@ -76,6 +104,19 @@ def test_every_module_imports_only_its_layer_or_below() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_pieces_of_a_cut_module_sit_below_it() -> None:
+    wrong = []
+    for chain in INNER_LAYERS:
+        rank = {name: level for level, names in enumerate(chain) for name in names}
+        missing = [name for name in rank if name not in MODULES]
+        assert not missing, f"tests/test_layers.py INNER_LAYERS names no module: {missing}"
+        for name, level in rank.items():
+            for target in skycap_imports(MODULES[name]):
+                if rank.get(target, -1) > level:
+                    wrong.append(f"{name} (rank {level}) imports {target} (rank {rank[target]})")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_import_cycles() -> None:
     graph = {name: {t for t in skycap_imports(p) if t in MODULES} for name, p in MODULES.items()}
     state: dict[str, int] = {}
@@ -95,8 +136,8 @@ def test_no_import_cycles() -> None:
 
 def test_client_side_and_records_never_load_mitmproxy() -> None:
     code = (
-        "import sys, skycap, skycap.client, skycap.loader, skycap.samples, skycap.dashboard.view\n"
-        "import skycap.rollout, skycap.compose, skycap.index\n"
+        "import sys, skycap, skycap.client, skycap.loader, skycap.samples\n"
+        "import skycap.dashboard.frames, skycap.rollout, skycap.compose, skycap.index\n"
         "from skycap import CapturePool, Sample, load\n"
         "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"
     )

@@ -14,7 +14,8 @@ import openai
 import pytest
 from server_fixtures import Control, ServerThread, control, wait_for
 
-from skycap.mock.engine import Reply, ScriptedEngine, scripted_logprob
+from skycap.mock.engine import Reply, ScriptedEngine
+from skycap.mock.engine_wire import scripted_logprob
 
 TOOLS = [
     {
