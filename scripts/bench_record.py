@@ -320,7 +320,7 @@ def finish_latencies(mirror: dict[str, object] | None) -> tuple[list[float], lis
                         continue
                     # Waited for in-process: polling GET .../record would add requests to
                     # the connection the next finish uses, and so to what is measured.
-                    assert service.server.store.mirror.wait_idle(60), "a copy took > 60 s"
+                    assert service.server.store.records.mirror.wait_idle(60), "a copy took > 60 s"
                     copied_ms.append((time.perf_counter() - finished) * 1000)
                     record = http.get(f"/trajectories/{created['id']}/record").json()
                     assert record["mirror_state"] == "copied", (answer, record)

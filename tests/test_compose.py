@@ -19,7 +19,8 @@ from server_fixtures import ServerThread
 from skycap import CapturePool
 from skycap.client import FinishResult, Sample
 from skycap.compose import Policy, TrainingRow, compose
-from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
+from skycap.mock.engine import ScriptedEngine
+from skycap.mock.engine_wire import scripted_experts, scripted_logprob
 from skycap.rollout import Rollout, RolloutResult, RolloutRunner
 from skycap.server.options import ServerOptions
 

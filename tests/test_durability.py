@@ -258,10 +258,10 @@ def test_a_keep_alive_call_while_records_are_written_is_not_lost(
     either refused or in the record, never answered and lost."""
     import threading
 
-    from skycap.server import store as store_module
+    from skycap.server import records as records_module
 
     entered, release = threading.Event(), threading.Event()
-    real = store_module.write_record
+    real = records_module.write_record
 
     def held_write(*args, **kwargs):
         entered.set()
@@ -279,7 +279,7 @@ def test_a_keep_alive_call_while_records_are_written_is_not_lost(
             return client.post(url, json=body)
 
         assert call("before").status_code == 200
-        monkeypatch.setattr(store_module, "write_record", held_write)
+        monkeypatch.setattr(records_module, "write_record", held_write)
         stopping = threading.Thread(target=server.stop)
         stopping.start()
         assert entered.wait(30), "the shutdown write never started"

@@ -387,7 +387,7 @@ def test_shutdown_waits_at_most_shutdown_timeout(
     control.finish(finished)
     wait_for(lambda: fault_proxy.held == 1, 60, "the first copy to reach the store")
     still_open = one_call(control)  # written at shutdown, queued behind the held copy
-    mirror = server.store.mirror
+    mirror = server.store.records.mirror
     caplog.set_level(logging.WARNING, logger="skycap.mirror")
     started = time.perf_counter()
     server.stop()

@@ -70,7 +70,7 @@ def captured(
                 f"{finished['id']}.experts.zst",
                 f"{finished['id']}.json.zst",
             ]
-        mirror = server.store.mirror
+        mirror = server.store.records.mirror
         assert mirror.wait_idle(30)
         assert mirror.health()["mirrored"] == 3
     return {"bucket": bucket, "url": url, "records": records, "ids": ids}

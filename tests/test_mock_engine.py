@@ -17,14 +17,9 @@ import numpy as np
 import pytest
 from server_fixtures import wait_for
 
-from skycap.mock.engine import (
-    FAULTS,
-    GENERATE_PATH,
-    Reply,
-    ScriptedEngine,
-    scripted_experts,
-    scripted_logprob,
-)
+from skycap.mock.engine import FAULTS, Reply, ScriptedEngine
+from skycap.mock.engine_http import GENERATE_PATH
+from skycap.mock.engine_wire import scripted_experts, scripted_logprob
 from skycap.tokens.engine import EngineError, VLLMEngine
 
 WIRE = VLLMEngine()

@@ -13,7 +13,8 @@ import orjson
 import pytest
 
 from skycap.dialects.chat import StreamAssembler
-from skycap.mock.upstream import MODEL, Reply, ScriptedUpstream
+from skycap.mock.replies import MODEL
+from skycap.mock.upstream import Reply, ScriptedUpstream
 
 TOOLS = [
     {

@@ -19,7 +19,7 @@ from server_fixtures import Control, ServerThread, proxy_confdir, upstream
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.destinations import Destinations, parse_rule, this_machine
 from skycap.server.options import ServerOptions
-from skycap.server.store import primary_address
+from skycap.server.records import primary_address
 
 
 def start(upstream: ScriptedUpstream, confdir: Path, **options) -> ServerThread:

@@ -14,7 +14,8 @@ from server_fixtures import Control, ServerThread, TextScript
 
 from skycap.cli.main import main as skycap_main
 from skycap.loader import load
-from skycap.mock.engine import ScriptedEngine, scripted_logprob
+from skycap.mock.engine import ScriptedEngine
+from skycap.mock.engine_wire import scripted_logprob
 from skycap.server.options import ServerOptions
 
 os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # D-48: never export traces to OpenAI

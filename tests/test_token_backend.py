@@ -13,7 +13,8 @@ import pytest
 
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.mock.engine import Reply as EngineReply
-from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
+from skycap.mock.engine import ScriptedEngine
+from skycap.mock.engine_wire import scripted_experts, scripted_logprob
 from skycap.tokens.backend import TokenBackend
 from skycap.tokens.client import ENGINE_EXCERPT_LIMIT, engine_status_message
 from skycap.tokens.engine import VLLMEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skycap.mock.engine import npy_base64
+from skycap.mock.engine_wire import npy_base64
 from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
 from skycap.tokens.engine import EngineError, VLLMEngine
 from skycap.tokens.engine_stream import EngineStream

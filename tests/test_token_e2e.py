@@ -14,7 +14,8 @@ from server_fixtures import Control, ServerThread, TextScript
 
 from skycap.arrays import unpack
 from skycap.cli.main import main as skycap_main
-from skycap.mock.engine import ScriptedEngine, scripted_experts, scripted_logprob
+from skycap.mock.engine import ScriptedEngine
+from skycap.mock.engine_wire import scripted_experts, scripted_logprob
 from skycap.server.options import ServerOptions
 
 TOOLS = [

@@ -18,7 +18,8 @@ from server_fixtures import Control, ServerThread, control, wait_for
 
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.messages import DIALECT as MESSAGES
-from skycap.mock.engine import Reply, ScriptedEngine, scripted_logprob
+from skycap.mock.engine import Reply, ScriptedEngine
+from skycap.mock.engine_wire import scripted_logprob
 from skycap.tokens.backend import TokenBackend
 from skycap.tokens.engine import VLLMEngine
 from skycap.tokens.streaming import ReplyStream

@@ -17,7 +17,8 @@ from server_fixtures import Control, ServerThread
 from skycap import load
 from skycap.arrays import unpack
 from skycap.cli.main import main as skycap_main
-from skycap.mock.engine import Reply, ScriptedEngine, scripted_experts
+from skycap.mock.engine import Reply, ScriptedEngine
+from skycap.mock.engine_wire import scripted_experts
 from skycap.server.options import ServerOptions
 
 SERVED = "served-policy"

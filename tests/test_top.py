@@ -337,9 +337,9 @@ def test_top_shows_every_column_at_160x45(token_run) -> None:
 
 def test_keys_filters_and_fitting() -> None:
     from skycap.cli.top import parse_keys
+    from skycap.dashboard.entries import Entry, matches
     from skycap.dashboard.layout import Column, compact, duration, fit
     from skycap.dashboard.poll import ServerState
-    from skycap.dashboard.view import Entry, matches
 
     assert parse_keys(b"\x1b[Aj\x1b[6~\r\x1b/\x7f") == [
         "up",

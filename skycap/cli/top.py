@@ -118,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from skycap.dashboard.entries import SORT_NAMES
+    from skycap.dashboard.frames import render
     from skycap.dashboard.poll import Poller
-    from skycap.dashboard.view import DETAIL, SORT_NAMES, View, render
+    from skycap.dashboard.view import DETAIL, View
 
     token = None
     if args.control_token_env:

@@ -24,7 +24,7 @@ import httpx
 from skycap.control_token import new_control_token
 from skycap.record.journal import replay_journals
 from skycap.server.control import WORKER_PORTS_VARIABLE
-from skycap.server.store import JOURNALS_REPLAYED_VARIABLE
+from skycap.server.records import JOURNALS_REPLAYED_VARIABLE
 
 #: The variable through which the supervisor hands its one control token to every worker.
 TOKEN_VARIABLE = "SKYCAP_WORKERS_CONTROL_TOKEN"

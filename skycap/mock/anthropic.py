@@ -17,9 +17,8 @@ from typing import Any
 import orjson
 
 from skycap.dialects.messages import anthropic_error, stop_reason
-from skycap.mock.upstream import MODEL, Reply, ScriptedUpstream, _pieces
-
-__all__ = ["MODEL", "Reply", "ScriptedAnthropicUpstream", "message_blocks"]
+from skycap.mock.replies import MODEL, Reply, pieces
+from skycap.mock.upstream import ScriptedUpstream
 
 
 def message_blocks(reply: Reply, reply_id: str) -> list[dict[str, Any]]:
@@ -124,15 +123,15 @@ def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
     kind = block["type"]
     if kind == "thinking":
         opening = {"type": "thinking", "thinking": "", "signature": ""}
-        deltas = [{"type": "thinking_delta", "thinking": p} for p in _pieces(block["thinking"])]
+        deltas = [{"type": "thinking_delta", "thinking": p} for p in pieces(block["thinking"])]
         deltas.append({"type": "signature_delta", "signature": block["signature"]})
     elif kind == "text":
         opening = {"type": "text", "text": ""}
-        deltas = [{"type": "text_delta", "text": p} for p in _pieces(block["text"])]
+        deltas = [{"type": "text_delta", "text": p} for p in pieces(block["text"])]
     else:
         opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
         arguments = json.dumps(block["input"])
-        deltas = [{"type": "input_json_delta", "partial_json": p} for p in _pieces(arguments)]
+        deltas = [{"type": "input_json_delta", "partial_json": p} for p in pieces(arguments)]
     events = [_event("content_block_start", {"index": index, "content_block": opening})]
     events += [_event("content_block_delta", {"index": index, "delta": d}) for d in deltas]
     events.append(_event("content_block_stop", {"index": index}))

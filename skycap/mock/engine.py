@@ -24,26 +24,40 @@ cache-salt rule and no sampling masks.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import re
-import socket
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import numpy as np
-
-from skycap.mock.vllm_rules import cache_salt_problem, sampling_problem, stream_problem
-
-GENERATE_PATH = "/inference/v1/generate"
+from skycap.mock.engine_http import (
+    GENERATE_PATH,
+    EngineHandler,
+    EngineServer,
+    Request,
+    StreamedReply,
+)
+from skycap.mock.engine_wire import (
+    MISSING_LOGPROB,
+    error_body,
+    json_bytes,
+    logprob_entry,
+    npy_base64,
+    scripted_experts,
+    scripted_logprob,
+    stream_chunks,
+)
+from skycap.mock.vllm_rules import (
+    cache_salt_problem,
+    sampling_mask_problem,
+    sampling_problem,
+    stream_problem,
+    tokens_only_stop_problem,
+)
 
 #: Fault modes accepted by `ScriptedEngine.fail_next`.
 FAULTS = frozenset(
@@ -64,14 +78,8 @@ FAULTS = frozenset(
         "stream_no_finish",  # a streamed reply that ends ([DONE]) without a finish reason
     }
 )
-ABORT_PATH = "/inference/v1/abort_requests"
 VERSIONS = ("0.33", "0.26")
 EXPERT_DTYPES = ("uint8", "uint16", "int32")
-
-#: vLLM's "no logprob" value (token_in_token_out/serving.py `_clamp_logprob`).
-MISSING_LOGPROB = -9999.0
-#: Distinct expert ids the scripted router picks from.
-NUM_EXPERTS = 64
 
 
 @dataclass(frozen=True)
@@ -88,42 +96,7 @@ class Reply:
     finish_reason: str = "stop"
 
 
-@dataclass(frozen=True)
-class Request:
-    """One request the engine received, as decoded JSON (None if the body was not JSON)."""
-
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: Any
-
-
 Script = Callable[[dict[str, Any]], Reply | str]
-
-
-def scripted_logprob(token_id: int, position: int) -> float:
-    """The logprob the engine reports for `token_id` sampled at absolute `position`."""
-    return -(((token_id + position) % 100) + 1) / 100
-
-
-def scripted_experts(token_ids: Sequence[int], start: int, layers: int, k: int) -> np.ndarray:
-    """Routed experts for positions [start, len-1) of a sequence: shape [rows, layers, k], uint8.
-
-    Row p depends on the token at p and on p itself, so a test can tell which position a
-    stored row came from.
-    """
-    ids = np.asarray(token_ids[start : len(token_ids) - 1], dtype=np.int64)
-    pos = np.arange(start, start + len(ids), dtype=np.int64)
-    base = (ids * 7 + pos * 3)[:, None, None]
-    grid = base + np.arange(layers)[None, :, None] * 5 + np.arange(k)[None, None, :]
-    return (grid % NUM_EXPERTS).astype(np.uint8)
-
-
-def npy_base64(array: np.ndarray) -> str:
-    """Base64 of a `.npy` file, the engine's routed-experts encoding (http.md §10.2)."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class ScriptedEngine:
@@ -190,7 +163,7 @@ class ScriptedEngine:
         self._hangs: list[threading.Event] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self._server: _Server | None = None
+        self._server: EngineServer | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
 
@@ -201,7 +174,7 @@ class ScriptedEngine:
         if self._server is not None:
             raise RuntimeError(f"scripted engine already running at {self.url}")
         self._stopping = False
-        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server = EngineServer(("127.0.0.1", 0), EngineHandler)
         self._server.engine = self
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -290,14 +263,11 @@ class ScriptedEngine:
         served name, at start or on its first call.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._generate_count() >= count, timeout):
+            if not self._cond.wait_for(lambda: len(self.generated) >= count, timeout):
                 raise TimeoutError(
-                    f"scripted engine got {self._generate_count()} generate requests, expected "
+                    f"scripted engine got {len(self.generated)} generate requests, expected "
                     f"{count} within {timeout} s"
                 )
-
-    def _generate_count(self) -> int:
-        return sum(1 for r in self.requests if r.path.split("?", 1)[0] == GENERATE_PATH)
 
     def default_reply(self, body: dict[str, Any]) -> Reply:
         """A deterministic episode: call the first offered tool twice, then answer.
@@ -342,7 +312,8 @@ class ScriptedEngine:
                     self._faults.pop(0)
             return entry[0]
 
-    def _record(self, request: Request) -> None:
+    def record(self, request: Request) -> None:
+        """Log a request as received (the HTTP handler calls this for every request)."""
         with self._cond:
             self.requests.append(request)
             self._cond.notify_all()
@@ -357,8 +328,8 @@ class ScriptedEngine:
         event.wait()
         return not self._stopping
 
-    def _generate(self, body: Any) -> tuple[int, bytes] | None:
-        """(status, JSON bytes) for a generate call, or None to close the connection."""
+    def generate(self, body: Any) -> tuple[int, bytes | StreamedReply] | None:
+        """(status, JSON bytes or a stream) for a generate call, or None to close the connection."""
         fault = self._take_fault()
         if fault == "close" or (fault == "hang" and not self._hang()):
             return None
@@ -366,10 +337,10 @@ class ScriptedEngine:
             return 200, b"<html>this is not JSON</html>"
         if fault in ("http_500", "http_400"):
             status = int(fault[-3:])
-            return status, _json({"error": {"message": f"scripted engine fault {fault}"}})
+            return status, json_bytes({"error": {"message": f"scripted engine fault {fault}"}})
         if self.version == "0.33" and not self.scale_out:
             # entrypoints/scale_out/factories.py `register_scale_out_api_routers`
-            return 403, _error(
+            return 403, error_body(
                 "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out "
                 "to enable them.",
                 "PermissionDeniedError",
@@ -377,11 +348,11 @@ class ScriptedEngine:
             )
         problem = _bad_request(body)
         if problem:
-            return 400, _error(problem)
+            return 400, error_body(problem)
         model = body.get("model")
         if model and model not in self.models:
             # entrypoints/serve/engine/serving.py `_check_model`
-            return 404, _error(
+            return 404, error_body(
                 f"The model `{model}` does not exist. Valid aliases: {', '.join(self.models)}.",
                 "NotFoundError",
                 404,
@@ -389,76 +360,26 @@ class ScriptedEngine:
             )
         problem = self._refusal(body)
         if problem:
-            return 400, _error(problem)
+            return 400, error_body(problem)
         with self._cond:
             reply = self._replies.popleft() if self._replies else None
         reply = reply if reply is not None else self._script(body)
         answer = self._answer(body, reply, fault)
         if body.get("stream") is True:
-            return 200, StreamedReply(self._stream_chunks(body, answer), fault)
-        return 200, _json(answer)
+            return 200, StreamedReply(stream_chunks(body, answer, self.stream_chunk), fault)
+        return 200, json_bytes(answer)
 
-    def _stream_chunks(self, body: dict[str, Any], answer: dict[str, Any]) -> list[dict[str, Any]]:
-        """The reply as 0.33's stream sends it (token_in_token_out/serving.py
-        `serve_tokens_stream_generator`, chunk shape protocol.py GenerateTokensStreamResponse):
-        one chunk per engine step with its token ids, logprob entries and mask rows; the
-        last carries the finish reason, stop reason and the whole routed-experts array
-        (v1/engine/output_processor.py concatenates them on finish); a usage chunk only
-        with `stream_options.include_usage`."""
-        request_id = f"generate-tokens-{body.get('request_id') or answer['request_id']}"
-        if not answer["choices"]:
-            return [{"request_id": request_id, "choices": []}]
-        choice = answer["choices"][0]
-        ids, entries = choice["token_ids"], (choice["logprobs"] or {}).get("content")
-        mask = choice.get("sampling_mask")
-        step = max(self.stream_chunk, 1)
-        chunks = []
-        for start in range(0, max(len(ids), 1), step):
-            part: dict[str, Any] = {
-                "index": 0,
-                "logprobs": None if entries is None else {"content": entries[start : start + step]},
-                "finish_reason": None,
-                "stop_reason": None,
-                "token_ids": ids[start : start + step],
-                "routed_experts": None,
-                "sampling_mask": None if mask is None else mask[start : start + step],
-                "weight_versions": None,
-            }
-            chunks.append(
-                {
-                    "request_id": request_id,
-                    "output_mode": "tokens",
-                    "usage": None,
-                    "choices": [part],
-                }
-            )
-        last = chunks[-1]["choices"][0]
-        last["finish_reason"] = choice["finish_reason"]
-        last["stop_reason"] = choice.get("stop_reason")
-        last["routed_experts"] = choice["routed_experts"]
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
-            chunks.append(
-                {
-                    "request_id": request_id,
-                    "output_mode": "tokens",
-                    "choices": [],
-                    "usage": answer["usage"],
-                }
-            )
-        return chunks
-
-    def _abort(self, body: Any) -> tuple[int, bytes]:
+    def abort(self, body: Any) -> tuple[int, bytes]:
         """token_in_token_out/api_router.py `abort_requests` (0.33): 200, or 400 without ids."""
         ids = body.get("request_ids") if isinstance(body, dict) else None
         if ids is None:
-            return 400, _json({"detail": "Missing 'request_ids' in request body"})
+            return 400, json_bytes({"detail": "Missing 'request_ids' in request body"})
         with self._cond:
             self.aborted.extend(ids if isinstance(ids, list) else [ids])
             self._cond.notify_all()
         return 200, b""
 
-    def _stream_wait(self, index: int) -> None:
+    def stream_wait(self, index: int) -> None:
         """Pause before chunk `index`: the first token's delay, the pause, or a held gate."""
         with self._cond:
             gate = self._gate
@@ -467,6 +388,15 @@ class ScriptedEngine:
         delay = self.first_token_delay if index == 0 else self.stream_pause
         if delay:
             time.sleep(delay)  # the engine is generating
+
+    def is_aborted(self, request_id: str) -> bool:
+        with self._cond:
+            return request_id in self.aborted
+
+    def note_stream_finished(self) -> None:
+        with self._cond:
+            self.streams_finished += 1
+            self._cond.notify_all()
 
     def _answer(
         self, body: dict[str, Any], reply: Reply | str, fault: str | None
@@ -481,7 +411,7 @@ class ScriptedEngine:
         values = [scripted_logprob(t, len(prompt) + i) for i, t in enumerate(ids)]
         if fault == "missing_logprobs" and values:
             values[0] = MISSING_LOGPROB
-        logprobs = [self._logprob_entry(t, v) for t, v in zip(ids, values, strict=True)]
+        logprobs = [logprob_entry(self.version, t, v) for t, v in zip(ids, values, strict=True)]
         if fault == "short_logprobs":
             logprobs = logprobs[:-1]
         choice = {
@@ -509,16 +439,6 @@ class ScriptedEngine:
             "choices": [] if fault == "no_choices" else [choice],
         }
 
-    def _logprob_entry(self, token: int, value: float) -> dict[str, Any]:
-        """One sampled-token entry in this version's shape (logprobs=0: no alternatives)."""
-        if self.version == "0.26":
-            # 0.26 token_in_token_out/serving.py `_create_tokens_logprobs`
-            entry = {"token": f"token_id:{token}", "logprob": value, "bytes": None}
-            return {**entry, "top_logprobs": [entry]}
-        # 0.33 token_in_token_out/serving.py `_create_tokens_logprobs`
-        entry = {"token_id": token, "logprob": value, "rank": 1}
-        return {**entry, "top_logprobs": [entry]}
-
     def _refusal(self, body: dict[str, Any]) -> str | None:
         """What this vLLM version refuses in a well-formed request, or None."""
         if self.version == "0.33":
@@ -536,24 +456,11 @@ class ScriptedEngine:
             if problem:
                 return problem
         if params.get("stop") and self.tokens_only:
-            # token_in_token_out/serving.py `serve_tokens` (0.33)
-            return (
-                "stop strings are not supported on a --tokens-only server because "
-                "detokenization is disabled. Check stop strings on the coordinator, or use "
-                "stop_token_ids."
-            )
+            return tokens_only_stop_problem()
         if params.get("stop"):
             return "the scripted engine does not apply stop strings (start it tokens_only)"
         if self.sampling_mask:
-            # v1/engine/input_processor.py, under model_config.return_sampling_mask
-            temperature, top_k = params.get("temperature", 1.0), params.get("top_k", 0)
-            if temperature <= 0:
-                return "sampling distribution replay requires temperature > 0"
-            if top_k <= 0:
-                return (
-                    "sampling distribution replay requires top_k > 0 to bound sampling mask "
-                    "size, reduce transfer overhead, and avoid potential OOMs"
-                )
+            return sampling_mask_problem(params)
         return None
 
     def _completion(self, reply: Reply, max_tokens: Any) -> tuple[list[int], str]:
@@ -587,14 +494,6 @@ class ScriptedEngine:
             return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-@dataclass
-class StreamedReply:
-    """A streamed generate answer: its chunks, and the stream fault to play, if any."""
-
-    chunks: list[dict[str, Any]]
-    fault: str | None
-
-
 def _bad_request(body: Any) -> str | None:
     """What vLLM would reject with a 400, or None."""
     if not isinstance(body, dict):
@@ -615,17 +514,6 @@ def _bad_request(body: Any) -> str | None:
     return None
 
 
-def _error(
-    message: str, kind: str = "BadRequestError", code: int = 400, param: str | None = None
-) -> bytes:
-    """vLLM's ErrorResponse body (entrypoints/serve/engine/protocol.py)."""
-    return _json({"error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
 def _single_token_id(tokenizer: Any, text: str) -> int | None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return int(ids[0]) if len(ids) == 1 else None
@@ -640,133 +528,3 @@ def _as_tokenizer(tokenizer: Any) -> Any:
 
         return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
     return tokenizer
-
-
-class _Server(ThreadingHTTPServer):
-    """Tracks open connections so stop() can close keep-alive clients too."""
-
-    daemon_threads = True
-    engine: ScriptedEngine
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.connections: set[socket.socket] = set()
-        self.connections_lock = threading.Lock()
-
-    def close_connections(self) -> None:
-        with self.connections_lock:
-            for conn in self.connections:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            self.connections.clear()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that resets its keep-alive connection has simply left: no traceback."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # Headers and body leave in one segment, without Nagle: no 40 ms delayed-ACK stalls.
-    wbufsize = 1 << 16
-    disable_nagle_algorithm = True
-    server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        with self.server.connections_lock:
-            self.server.connections.add(self.connection)
-
-    def finish(self) -> None:
-        with self.server.connections_lock:
-            self.server.connections.discard(self.connection)
-        super().finish()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: tests and the demo read `engine.requests` instead."""
-
-    def do_GET(self) -> None:
-        engine = self.server.engine
-        engine._record(Request("GET", self.path, dict(self.headers.items()), None))
-        if self.path.split("?", 1)[0] != "/v1/models":
-            self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
-            return
-        models = [{"id": m, "object": "model", "owned_by": "vllm"} for m in engine.models]
-        self._send(200, _json({"object": "list", "data": models}))
-
-    def do_POST(self) -> None:
-        engine = self.server.engine
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        engine._record(Request("POST", self.path, dict(self.headers.items()), body))
-        if self.path.split("?", 1)[0] == ABORT_PATH:
-            self._send(*engine._abort(body))
-            return
-        if self.path.split("?", 1)[0] != GENERATE_PATH:
-            self._send(404, _json({"error": {"message": f"no route {self.path}"}}))
-            return
-        answer = engine._generate(body)
-        if answer is None:
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed by stop()
-            return
-        if isinstance(answer[1], StreamedReply):
-            self._stream(answer[1])
-            return
-        self._send(*answer)
-
-    def _stream(self, reply: StreamedReply) -> None:
-        """Send the chunks as SSE, paced as the engine generates; stop after an abort."""
-        engine = self.server.engine
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        chunks = reply.chunks
-        request_id = chunks[0]["request_id"]
-        try:
-            for index, chunk in enumerate(chunks):
-                if reply.fault == "stream_break" and index >= max(len(chunks) // 2, 1):
-                    self.wfile.flush()
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                engine._stream_wait(index)
-                with engine._cond:
-                    aborted = request_id in engine.aborted
-                if aborted:  # v1 engine: an aborted request finishes with "abort"
-                    end = {**chunk["choices"][0], "token_ids": [], "finish_reason": "abort"}
-                    end["logprobs"] = {"content": []}
-                    chunk = {**chunk, "choices": [end]}
-                elif reply.fault == "stream_no_finish" and chunk["choices"]:
-                    chunk["choices"][0]["finish_reason"] = None
-                self._chunk(b"data: " + _json(chunk) + b"\n\n")
-                if aborted:
-                    break
-            self._chunk(b"data: [DONE]\n\n")
-            self._chunk(b"")
-            with engine._cond:
-                engine.streams_finished += 1
-                engine._cond.notify_all()
-        except OSError:
-            self.close_connection = True  # the client went away: vLLM aborts the request
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def _send(self, status: int, payload: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)

@@ -16,17 +16,17 @@ from typing import Any
 import orjson
 
 from skycap.dialects.chat import openai_error
-from skycap.mock.upstream import (
+from skycap.mock.h11_io import send_json
+from skycap.mock.replies import (
     CREATED,
     MODEL,
     Reply,
-    ScriptedUpstream,
-    _pieces,
-    _send_json,
-    _text_of,
-    _tool_calls,
-    _usage,
+    pieces,
+    reply_tool_calls,
+    reply_usage,
+    text_of,
 )
+from skycap.mock.upstream import ScriptedUpstream
 
 _PATH = "/v1/responses"
 
@@ -38,7 +38,7 @@ def echo_response(body: dict[str, Any]) -> Reply:
         return Reply(content=f"echo: {value}")
     for item in reversed(value if isinstance(value, list) else []):
         if isinstance(item, dict) and item.get("role") == "user":
-            return Reply(content=f"echo: {_text_of(item.get('content'))}")
+            return Reply(content=f"echo: {text_of(item.get('content'))}")
     return Reply(content="echo")
 
 
@@ -67,7 +67,7 @@ def output_items(reply: Reply, number: int | str) -> list[dict[str, Any]]:
                 "content": [part],
             }
         )
-    for call in _tool_calls(reply):
+    for call in reply_tool_calls(reply):
         items.append(
             {
                 "id": f"fc_mock{number}_{len(items)}",
@@ -85,7 +85,7 @@ def response_usage(reply: Reply, request_size: int) -> dict[str, Any]:
     """Responses-shaped usage (input/output tokens, reasoning tokens) for `reply`."""
     if reply.usage is not None:
         return reply.usage
-    chat = _usage(reply, request_size)
+    chat = reply_usage(reply, request_size)
     return {
         "input_tokens": chat["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": 0},
@@ -149,7 +149,7 @@ def _item_events(index: int, item: dict[str, Any]) -> Iterator[tuple[str, dict[s
         yield "response.output_item.added", {"output_index": index, "item": {**item, "content": []}}
         text = item["content"][0]["text"]
         where = {**at, "content_index": 0}
-        for piece in _pieces(text):
+        for piece in pieces(text):
             yield "response.reasoning_text.delta", {**where, "delta": piece}
         yield "response.reasoning_text.done", {**where, "text": text}
     elif item["type"] == "message":
@@ -158,14 +158,14 @@ def _item_events(index: int, item: dict[str, Any]) -> Iterator[tuple[str, dict[s
         part = item["content"][0]
         where = {**at, "content_index": 0}
         yield "response.content_part.added", {**where, "part": {**part, "text": ""}}
-        for piece in _pieces(part["text"]):
+        for piece in pieces(part["text"]):
             yield "response.output_text.delta", {**where, "delta": piece, "logprobs": []}
         yield "response.output_text.done", {**where, "text": part["text"], "logprobs": []}
         yield "response.content_part.done", {**where, "part": part}
     else:
         opening = {**item, "status": "in_progress", "arguments": ""}
         yield "response.output_item.added", {"output_index": index, "item": opening}
-        for piece in _pieces(item["arguments"]):
+        for piece in pieces(item["arguments"]):
             yield "response.function_call_arguments.delta", {**at, "delta": piece}
         done = {**at, "name": item["name"], "arguments": item["arguments"]}
         yield "response.function_call_arguments.done", done
@@ -196,14 +196,14 @@ class ScriptedResponsesUpstream(ScriptedUpstream):
             found = self.stored.get(response_id)
             if found is None:
                 message = f"Response with id {response_id!r} not found."
-                await _send_json(conn, writer, 404, openai_error(404, message))
+                await send_json(conn, writer, 404, openai_error(404, message))
             else:
-                await _send_json(conn, writer, 200, orjson.dumps(found))
+                await send_json(conn, writer, 200, orjson.dumps(found))
             return True
         if request.method == "POST" and path == _PATH:
             previous = _previous_id(request.body)
             if previous is not None and previous not in self.stored:
-                await _send_json(conn, writer, 404, _not_found(previous))
+                await send_json(conn, writer, 404, _not_found(previous))
                 return True
         return await super()._route(conn, reader, writer, request)
 

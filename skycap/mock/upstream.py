@@ -6,7 +6,7 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -14,32 +14,12 @@ import h11
 import orjson
 
 from skycap.dialects.chat import openai_error
-
-MODEL = "mock-model"
-CREATED = 1_700_000_000
-PIECE_CHARS = 8
-READ_SIZE = 65536
+from skycap.mock.chat_wire import completion_body, model_entry, sse_event, stream_events
+from skycap.mock.h11_io import READ_SIZE, json_head, read_request, send_json, stream_head
+from skycap.mock.replies import MODEL, Reply, ReplySpec, as_reply, echo_reply
 
 Fault = Literal["status", "garbage", "no_choices", "hang", "break_stream", "sleep"]
 FAULTS: tuple[str, ...] = get_args(Fault)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One scripted answer. `tool_calls` use the OpenAI message shape; ids default to `call_<i>`.
-
-    `finish_reason` defaults to `tool_calls` when there are tool calls, else `stop`;
-    `usage` defaults to deterministic counts derived from the sizes of request and reply.
-    """
-
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-
-
-ReplySpec = Reply | Mapping[str, Any]
 Script = Callable[[dict[str, Any]], ReplySpec] | Iterable[ReplySpec]
 
 
@@ -69,137 +49,6 @@ class _Fault:
 
 class _ScriptError(Exception):
     pass
-
-
-def echo_reply(body: Mapping[str, Any]) -> Reply:
-    """The default answer: `echo: ` + the last user message's text, deterministic and cheap."""
-    for message in reversed(body.get("messages") or []):
-        if isinstance(message, dict) and message.get("role") == "user":
-            return Reply(content=f"echo: {_text_of(message.get('content'))}")
-    return Reply(content="echo")
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-        )
-    return ""
-
-
-def _as_reply(spec: ReplySpec) -> Reply:
-    if isinstance(spec, Reply):
-        return spec
-    if isinstance(spec, Mapping):
-        return Reply(**spec)
-    raise TypeError(f"a scripted reply must be a Reply or a mapping, got {type(spec).__name__}")
-
-
-def _pieces(text: str) -> list[str]:
-    return [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)] or [""]
-
-
-def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
-    calls = []
-    for i, call in enumerate(reply.tool_calls or []):
-        function = call.get("function") or {}
-        calls.append(
-            {
-                "id": call.get("id") or f"call_{i}",
-                "type": "function",
-                "function": {
-                    "name": function.get("name", ""),
-                    "arguments": function.get("arguments", ""),
-                },
-            }
-        )
-    return calls
-
-
-def _finish_reason(reply: Reply) -> str:
-    return reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
-
-
-def _usage(reply: Reply, request_size: int) -> dict[str, Any]:
-    if reply.usage is not None:
-        return reply.usage
-    produced = len(reply.content or "") + len(reply.reasoning_content or "")
-    produced += sum(len(c["function"]["arguments"]) for c in _tool_calls(reply))
-    prompt, completion = request_size // 4, produced // 4 + 1
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def _message(reply: Reply) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.reasoning_content is not None:
-        message["reasoning_content"] = reply.reasoning_content
-    if reply.tool_calls:
-        message["tool_calls"] = _tool_calls(reply)
-    return message
-
-
-def completion_body(reply: Reply, *, model: str, reply_id: str, request_size: int) -> bytes:
-    """The non-streamed `chat.completion` JSON for `reply`."""
-    return orjson.dumps(
-        {
-            "id": reply_id,
-            "object": "chat.completion",
-            "created": CREATED,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": _message(reply),
-                    "finish_reason": _finish_reason(reply),
-                    "logprobs": None,
-                }
-            ],
-            "usage": _usage(reply, request_size),
-        }
-    )
-
-
-def stream_events(
-    reply: Reply, *, model: str, reply_id: str, request_size: int, include_usage: bool
-) -> list[bytes]:
-    """The SSE events for `reply`, each a separate write: role, reasoning and content pieces,
-    each tool call as id+name then argument pieces, finish, usage (only when the request
-    set `stream_options.include_usage`, as OpenAI does), then `[DONE]`."""
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return _event(head | {"choices": [choice]})
-
-    head = {"id": reply_id, "object": "chat.completion.chunk", "created": CREATED, "model": model}
-    events = [chunk({"role": "assistant"})]
-    if reply.reasoning_content:
-        events += [chunk({"reasoning_content": p}) for p in _pieces(reply.reasoning_content)]
-    if reply.content is not None:
-        events += [chunk({"content": p}) for p in _pieces(reply.content)]
-    for i, call in enumerate(_tool_calls(reply)):
-        function = call["function"]
-        opening = {"index": i, "id": call["id"], "type": "function"}
-        opening["function"] = {"name": function["name"], "arguments": ""}
-        events.append(chunk({"tool_calls": [opening]}))
-        for piece in _pieces(function["arguments"]):
-            events.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}))
-    events.append(chunk({}, _finish_reason(reply)))
-    if include_usage:
-        events.append(_event(head | {"choices": [], "usage": _usage(reply, request_size)}))
-    events.append(b"data: [DONE]\n\n")
-    return events
-
-
-def _event(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class ScriptedUpstream:
@@ -345,7 +194,7 @@ class ScriptedUpstream:
         conn = h11.Connection(h11.SERVER)
         try:
             while True:
-                received = await _read_request(conn, reader)
+                received = await read_request(conn, reader)
                 if received is None:
                     return
                 keep_open = await self._route(conn, reader, writer, self._record(*received))
@@ -383,15 +232,15 @@ class ScriptedUpstream:
         if request.method == "POST" and path == self.CALL_PATH:
             return await self._chat(conn, reader, writer, request.body)
         if request.method == "GET" and path == "/v1/models":
-            models = {"object": "list", "data": [_model_entry()]}
-            await _send_json(conn, writer, 200, orjson.dumps(models))
+            models = {"object": "list", "data": [model_entry()]}
+            await send_json(conn, writer, 200, orjson.dumps(models))
             return True
         other = self._other_route(request.method, path, request.body)
         if other is not None:
-            await _send_json(conn, writer, 200, other)
+            await send_json(conn, writer, 200, other)
             return True
         message = f"mock upstream has no route {request.method} {path}"
-        await _send_json(conn, writer, 404, self._error_body(404, message))
+        await send_json(conn, writer, 404, self._error_body(404, message))
         return True
 
     # The wire shapes of this API; a scripted server for another API overrides these.
@@ -426,7 +275,7 @@ class ScriptedUpstream:
         """A 200 with no reply in it: stream events, or a JSON body."""
         if stream:
             head = {"id": "chatcmpl-mock-nochoices", "object": "chat.completion.chunk"}
-            return [_event(head), b"data: [DONE]\n\n"]
+            return [sse_event(head), b"data: [DONE]\n\n"]
         head = {"id": "chatcmpl-mock-nochoices", "object": "chat.completion", "model": MODEL}
         return orjson.dumps(head)
 
@@ -451,12 +300,12 @@ class ScriptedUpstream:
         if fault is not None:
             await asyncio.sleep(fault.seconds)
         if not isinstance(body, dict):
-            await _send_json(conn, writer, 400, self._error_body(400, detail))
+            await send_json(conn, writer, 400, self._error_body(400, detail))
             return True
         try:
             reply = self._next_reply(body)
         except _ScriptError as exc:
-            await _send_json(conn, writer, 500, self._error_body(500, str(exc)))
+            await send_json(conn, writer, 500, self._error_body(500, str(exc)))
             return True
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL
         with self._lock:
@@ -464,7 +313,7 @@ class ScriptedUpstream:
             reply_id = f"{self.ID_PREFIX}{self._calls}"
         ids = {"model": model, "reply_id": reply_id, "request_size": len(raw)}
         if not stream:
-            await _send_json(conn, writer, 200, self._reply_body(reply, **ids))
+            await send_json(conn, writer, 200, self._reply_body(reply, **ids))
             return True
         await self._send_stream(conn, writer, self._reply_events(reply, **ids, body=body))
         return True
@@ -496,14 +345,14 @@ class ScriptedUpstream:
                 return echo_reply(body)
             if callable(script):
                 spec = script(body)
-            return _as_reply(spec)
+            return as_reply(spec)
         except Exception as exc:
             raise _ScriptError(f"scripted upstream: the script failed: {exc!r}") from exc
 
     async def _send_stream(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, events: list[bytes]
     ) -> None:
-        writer.write(conn.send(_stream_head()))
+        writer.write(conn.send(stream_head()))
         for event in events:
             writer.write(conn.send(h11.Data(data=event)))
             await writer.drain()
@@ -524,7 +373,7 @@ class ScriptedUpstream:
         if fault.kind == "status":
             message = f"scripted upstream fault: HTTP {fault.status}"
             body = fault.body if fault.body is not None else self._error_body(fault.status, message)
-            await _send_json(conn, writer, fault.status, body)
+            await send_json(conn, writer, fault.status, body)
         elif fault.kind == "hang":
             while await reader.read(READ_SIZE):
                 pass
@@ -535,13 +384,13 @@ class ScriptedUpstream:
         elif fault.kind == "garbage" and stream:
             await self._send_stream(conn, writer, [b"data: <html>not json</html>\n\n"] * 2)
         elif fault.kind == "garbage":
-            await _send_json(conn, writer, 200, b"<html>this is not JSON</html>")
+            await send_json(conn, writer, 200, b"<html>this is not JSON</html>")
         else:  # no_choices
             empty = self._no_choices(stream)
             if isinstance(empty, list):
                 await self._send_stream(conn, writer, empty)
             else:
-                await _send_json(conn, writer, 200, empty)
+                await send_json(conn, writer, 200, empty)
         return True
 
     async def _break(
@@ -552,58 +401,13 @@ class ScriptedUpstream:
         ids = {"model": MODEL, "reply_id": f"{self.ID_PREFIX}-broken", "request_size": 0}
         if stream:
             events = self._reply_events(reply, **ids, body={})
-            writer.write(conn.send(_stream_head()))
+            writer.write(conn.send(stream_head()))
             for event in events[: len(events) // 2]:
                 writer.write(conn.send(h11.Data(data=event)))
         else:
             payload = self._reply_body(reply, **ids)
-            writer.write(conn.send(_json_head(200, len(payload))))
+            writer.write(conn.send(json_head(200, len(payload))))
             writer.write(conn.send(h11.Data(data=payload[: len(payload) // 2])))
         writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for a flush
         await writer.drain()
         writer.transport.abort()
-
-
-def _model_entry() -> dict[str, Any]:
-    return {"id": MODEL, "object": "model", "created": CREATED, "owned_by": "skycap-mock"}
-
-
-async def _read_request(
-    conn: h11.Connection, reader: asyncio.StreamReader
-) -> tuple[h11.Request, bytes] | None:
-    head: h11.Request | None = None
-    body: list[bytes] = []
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await reader.read(READ_SIZE))
-        elif isinstance(event, h11.Request):
-            head = event
-        elif isinstance(event, h11.Data):
-            body.append(event.data)
-        elif isinstance(event, h11.EndOfMessage):
-            assert head is not None
-            return head, b"".join(body)
-        elif isinstance(event, h11.ConnectionClosed):
-            return None
-
-
-def _json_head(status: int, length: int) -> h11.Response:
-    headers = [("content-type", "application/json"), ("content-length", str(length))]
-    return h11.Response(status_code=status, headers=headers)
-
-
-def _stream_head() -> h11.Response:
-    headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
-    return h11.Response(status_code=200, headers=headers)
-
-
-async def _send_json(
-    conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes
-) -> None:
-    writer.write(
-        conn.send(_json_head(status, len(body)))
-        + conn.send(h11.Data(data=body))
-        + conn.send(h11.EndOfMessage())
-    )
-    await writer.drain()

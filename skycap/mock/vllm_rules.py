@@ -69,7 +69,7 @@ def sampling_problem(params: dict[str, Any]) -> str | None:
 
 
 # How 0.33 streams the generate route, which the scripted engine's streamed replies follow
-# (skycap.mock.engine `_stream_chunks`; entrypoints/scale_out/token_in_token_out/serving.py
+# (skycap.mock.engine_wire `stream_chunks`; entrypoints/scale_out/token_in_token_out/serving.py
 # `serve_tokens_stream_generator`,
 # v1/engine/output_processor.py for what each delta carries):
 # - one `data:` chunk per engine step with only that step's `token_ids`, their
@@ -85,4 +85,28 @@ def stream_problem(params: dict[str, Any]) -> str | None:
     """token_in_token_out/serving.py `serve_tokens` (0.33): what a streamed request cannot ask."""
     if params.get("prompt_logprob_token_ids") is not None:
         return "prompt_logprob_token_ids are not available when stream=true."
+    return None
+
+
+def tokens_only_stop_problem() -> str:
+    """token_in_token_out/serving.py `serve_tokens` (0.33): stop strings on a --tokens-only
+    server, which has no tokenizer to detokenize with."""
+    return (
+        "stop strings are not supported on a --tokens-only server because "
+        "detokenization is disabled. Check stop strings on the coordinator, or use "
+        "stop_token_ids."
+    )
+
+
+def sampling_mask_problem(params: dict[str, Any]) -> str | None:
+    """v1/engine/input_processor.py, under model_config.return_sampling_mask (a server
+    started with --return-sampling-mask): the sampling it can replay."""
+    temperature, top_k = params.get("temperature", 1.0), params.get("top_k", 0)
+    if temperature <= 0:
+        return "sampling distribution replay requires temperature > 0"
+    if top_k <= 0:
+        return (
+            "sampling distribution replay requires top_k > 0 to bound sampling mask "
+            "size, reduce transfer overhead, and avoid potential OOMs"
+        )
     return None

@@ -31,6 +31,7 @@ from skycap.dialects.chat import DIALECT as CHAT_DIALECT
 from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
 from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
 from skycap.server import options as options_module
+from skycap.server.answer import Answer
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
 from skycap.server.destinations import Destinations
@@ -44,7 +45,7 @@ from skycap.server.drain import (
 from skycap.server.harness import HARNESS_LEFT, STREAMED, Harness, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
-from skycap.server.store import Answer, TrajectoryStore
+from skycap.server.store import TrajectoryStore
 from skycap.server.textmode import CLOSE_AFTER, TextCall, TextMode
 from skycap.wire import control_error
 

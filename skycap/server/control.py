@@ -11,9 +11,10 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from skycap.server.answer import Answer
 from skycap.server.keys import KEY_PREFIX, bearer_key, raw_header
 from skycap.server.proxy import Proxy
-from skycap.server.store import Answer, TrajectoryStore
+from skycap.server.store import TrajectoryStore
 from skycap.wire import BodyError, control_error, parse_json_body
 
 

@@ -27,10 +27,11 @@ from skycap.dialects.messages import models_listing
 from skycap.dialects.responses import DIALECT as RESPONSES
 from skycap.server.conns import client_connected
 from skycap.server.keys import authorized, bearer_key, key_matches, raw_header
+from skycap.server.live import Live
 from skycap.server.options import ServerOptions
 from skycap.server.responses import UnknownResponse, place
 from skycap.server.retry import CallKey, Conflict, Entry, Found, Replay, call_key
-from skycap.server.store import SHUTTING_DOWN, UNKNOWN, Live, TrajectoryStore
+from skycap.server.store import SHUTTING_DOWN, UNKNOWN, TrajectoryStore
 from skycap.server.stream_sink import StreamSink
 from skycap.server.textmode import TextCall, TextMode
 from skycap.tokens.relay import error_event, waiting_writer
@@ -200,7 +201,7 @@ class Harness:
         """
         live = self.store.get(trajectory_id) if is_trajectory_id(trajectory_id) else None
         if live is None:
-            if self.store.on_disk(trajectory_id):
+            if self.store.records.on_disk(trajectory_id):
                 message = await self._ended_message(trajectory_id)
                 harness_error(flow, 410, message, "trajectory_closed", dialect)
             else:
@@ -230,7 +231,7 @@ class Harness:
 
     async def _ended_message(self, trajectory_id: str) -> str:
         """Step 1's 410 message: a record written open at a shutdown is not ended (http.md §6)."""
-        if await self.store.written_unended(trajectory_id):
+        if await self.store.records.written_unended(trajectory_id):
             return (
                 "trajectory was written to disk when the server stopped; it takes no more "
                 f"calls, finish it with POST /trajectories/{trajectory_id}/finish"

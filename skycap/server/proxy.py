@@ -43,7 +43,8 @@ from skycap.dialects import Dialect
 from skycap.dialects.chat import openai_error
 from skycap.server.destinations import Destinations
 from skycap.server.keys import basic_credentials, raw_header
-from skycap.server.store import Live, TrajectoryStore
+from skycap.server.live import Live
+from skycap.server.store import UNKNOWN, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
 
 logger = logging.getLogger("skycap.server")
@@ -55,7 +56,6 @@ MISSING = (
     "POST /trajectories returned"
 )
 MALFORMED = "Proxy-Authorization must be Basic base64(<trajectory id>:<api_key>)"
-UNKNOWN = "unknown trajectory"
 WRONG_KEY = "wrong api_key for trajectory"
 CLOSED_PASS = "trajectory has ended; its proxy no longer forwards other traffic"
 
@@ -122,7 +122,7 @@ class Proxy:
             raise ProxyAuthRequired(UNKNOWN)
         live = self.store.get(trajectory_id)
         if live is None:
-            if self.store.on_disk(trajectory_id):
+            if self.store.records.on_disk(trajectory_id):
                 return trajectory_id
             raise ProxyAuthRequired(f"{UNKNOWN} {trajectory_id}")
         if live.trajectory.is_open and not hmac.compare_digest(password, live.api_key):

@@ -26,10 +26,11 @@ from mitmproxy import http
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
 from skycap.server.conns import Connections, client_connected
+from skycap.server.live import Live
 from skycap.server.options import ServerOptions
 from skycap.server.relay import BROKEN, END, Stream, StreamRelay
 from skycap.server.retry import Entry, Replay
-from skycap.server.store import Live, TrajectoryStore
+from skycap.server.store import TrajectoryStore
 from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
 
