@@ -20,7 +20,7 @@ from harness import run_harness, score
 
 from skycap import CapturePool, CaptureService
 from skycap.mock.engine import ScriptedEngine
-from skycap.tokens.renderer import bundled_qwen3_dir
+from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer is a local folder
 

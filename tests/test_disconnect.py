@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from server_fixtures import Control, ServerThread, make_server, upstream, wait_f
 from skycap.mock.anthropic import ScriptedAnthropicUpstream
 from skycap.mock.upstream import Reply, ScriptedUpstream
 from skycap.server.options import ServerOptions
+from skycap.server.retry import RetryCache
 
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SLOW = 1.2  # the upstream's delay; the SDK gives up after TIMEOUT and retries while it runs
@@ -213,14 +215,30 @@ def test_shutdown_records_a_call_still_running_as_failed(
 
 
 def test_token_mode_retry_after_a_client_timeout_gets_the_original(
-    qwen3_tokenizer: Any, qwen3_renderer: Any
+    qwen3_tokenizer: Any, qwen3_renderer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Token mode already ran calls as their own task: still one engine call, replayed."""
     from skycap.mock.engine import ScriptedEngine
 
+    retry_waiting = threading.Event()
+    lookup = RetryCache.lookup
+
+    async def noting_lookup(self: RetryCache, call: Any) -> Any:
+        if self.running(call):
+            retry_waiting.set()
+        return await lookup(self, call)
+
+    monkeypatch.setattr(RetryCache, "lookup", noting_lookup)
+
+    def release_once_the_retry_waits() -> None:
+        # The first attempt has given up; its call is still running. Releasing the engine
+        # only once the retry waits on it makes the retry coalesce, never merely replay.
+        if retry_waiting.wait(10):
+            engine.release()
+
     def release_on_retry(request: httpx.Request) -> None:
         if request.headers.get("x-stainless-retry-count") == "1":
-            engine.release()  # the first attempt has given up; its call is still running
+            threading.Thread(target=release_once_the_retry_waits, daemon=True).start()
 
     with ScriptedEngine(qwen3_tokenizer) as engine:
         options = ServerOptions(engine.url, mode="tokens", renderer=qwen3_renderer)

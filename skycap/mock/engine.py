@@ -521,7 +521,7 @@ def _single_token_id(tokenizer: Any, text: str) -> int | None:
 
 def _as_tokenizer(tokenizer: Any) -> Any:
     if isinstance(tokenizer, str | os.PathLike):
-        from skycap.tokens.renderer import quiet_transformers_import
+        from skycap.tokens.tokenizer_env import quiet_transformers_import
 
         quiet_transformers_import()
         from transformers import AutoTokenizer

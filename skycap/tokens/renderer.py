@@ -17,18 +17,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from skycap.hashing import canonical_json
 
-# Kept importable from here: examples and the mock engine use these names.
-from skycap.tokens.tokenizer_env import bundled_qwen3_dir, quiet_transformers_import
-
 __all__ = [
     "RAW_CONTENT_CONTEXT",
     "RenderError",
     "Rendered",
     "Renderer",
-    "bundled_qwen3_dir",
     "decode_spans_as",
     "parse_reply",
-    "quiet_transformers_import",
     "raw_content",
     "starts_with",
     "tool_call_id",
