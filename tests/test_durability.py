@@ -295,3 +295,27 @@ def test_a_keep_alive_call_while_records_are_written_is_not_lost(
         assert "echo: during" in replies, "answered during the shutdown write, then lost"
     else:
         assert late is None or late.status_code == 503
+
+
+def test_a_messages_call_after_shutdown_began_is_503_in_the_anthropic_shape(
+    make_server, tmp_path: Path
+) -> None:
+    """The shutdown refusal is in the caller's own error shape, like every other refusal."""
+    import anthropic
+    from server_fixtures import Control
+
+    server = make_server(record_dir=tmp_path)
+    with Control(server.url) as control:
+        created = control.create()
+        server.run_in_loop(server.store.close_to_calls)
+        client = anthropic.Anthropic(
+            base_url=created["anthropic_base_url"], api_key=created["api_key"], max_retries=0
+        )
+        with pytest.raises(anthropic.InternalServerError) as refused:
+            client.messages.create(
+                model="policy", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert refused.value.status_code == 503
+        assert refused.value.body["type"] == "error"
+        assert refused.value.body["error"]["message"].startswith("the capture server is shutting")
+    server.stop()

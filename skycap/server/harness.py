@@ -207,17 +207,8 @@ class Harness:
             else:
                 harness_error(flow, 404, UNKNOWN, None, dialect)
             return None
-        if live.closed is not None:
-            # D-44: closed to calls with its status unchanged (shutdown, or rebuilt from a
-            # crash journal and not yet written).
-            if live.closed == SHUTTING_DOWN:
-                harness_error(flow, 503, live.closed, "server_shutting_down")
-            else:
-                harness_error(flow, 410, live.closed, "trajectory_closed")
-            return None
-        if not live.trajectory.is_open:
-            status = live.trajectory.status
-            harness_error(flow, 410, f"trajectory is {status}", "trajectory_closed", dialect)
+        if (refusal := self._closed(live)) is not None:
+            harness_error(flow, *refusal, dialect)
             return None
         if self.require_api_key and not proxied:
             fields = flow.request.headers.fields
@@ -264,8 +255,12 @@ class Harness:
         return live.retries.register(key)
 
     def _closed(self, live: Live) -> tuple[int, str, str] | None:
-        """(status, message, code) when a retry whose original ended may not run any more:
-        the trajectory was closed to calls (as at the gate) or sealed while it waited."""
+        """(status, message, code) when `live` takes no more calls: at the gate, and again
+        for a retry whose original ended (it may have been sealed while it waited).
+
+        D-44: closed to calls with its status unchanged (shutdown, or rebuilt from a crash
+        journal and not yet written), or ended.
+        """
         if live.closed is not None:
             if live.closed == SHUTTING_DOWN:
                 return 503, live.closed, "server_shutting_down"
