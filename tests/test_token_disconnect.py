@@ -4,20 +4,16 @@ keep-alives, then the original reply; a call committed after its harness left is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
-from server_fixtures import Control, ServerThread, control, wait_for
+from server_fixtures import Control, control, wait_for
+from token_stream_fixtures import ANSWER, START, _engine_reset, engine, server
 
 from skycap.mock.engine import ScriptedEngine
-
-START = [{"role": "user", "content": "find x"}]
-ANSWER = "The answer is 42 — café 🙂, done."
-KEEPALIVE = 0.05
 
 #: dialect: (path, streamed body, the keep-alive line, the line that ends the reply)
 DIALECTS = {
@@ -40,38 +36,6 @@ DIALECTS = {
         "event: response.completed",
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer) as engine:
-        engine.stream_chunk = 1
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def server(
-    engine: ScriptedEngine, qwen3_renderer: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerThread]:
-    from skycap.server.options import ServerOptions
-
-    options = ServerOptions(
-        engine.url,
-        mode="tokens",
-        renderer=qwen3_renderer,
-        record_dir=tmp_path_factory.mktemp("records"),
-        keepalive=KEEPALIVE,
-    )
-    with ServerThread(options) as server:
-        yield server
-
-
-@pytest.fixture(autouse=True)
-def _engine_reset(engine: ScriptedEngine) -> Iterator[None]:
-    yield
-    engine.resume_stream()
-    engine.release()
-    engine.clear_faults()
 
 
 def _calls(control: Control, trajectory: dict[str, Any]) -> list[dict[str, Any]]:

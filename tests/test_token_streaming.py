@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -15,10 +12,11 @@ import openai
 import orjson
 import pytest
 from server_fixtures import Control, ServerThread, control, wait_for
+from token_stream_fixtures import ANSWER, START, _engine_reset, engine, server
 
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.messages import DIALECT as MESSAGES
-from skycap.mock.engine import Reply, ScriptedEngine
+from skycap.mock.engine import ScriptedEngine
 from skycap.mock.engine_wire import scripted_logprob
 from skycap.tokens.backend import TokenBackend
 from skycap.tokens.engine import VLLMEngine
@@ -35,41 +33,7 @@ TOOLS = [
         },
     }
 ]
-START = [{"role": "user", "content": "find x"}]
 THOUGHT = "<think>\nI will look it up, carefully: 日本語 and émoji 🙂.\n</think>\n\n"
-ANSWER = "The answer is 42 — café 🙂, done."
-
-
-@pytest.fixture(scope="module")
-def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
-    with ScriptedEngine(qwen3_tokenizer) as engine:
-        engine.stream_chunk = 1  # every token its own chunk: characters split across chunks
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def server(
-    engine: ScriptedEngine, qwen3_renderer: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerThread]:
-    from skycap.server.options import ServerOptions
-
-    options = ServerOptions(
-        engine.url,
-        mode="tokens",
-        renderer=qwen3_renderer,
-        record_dir=tmp_path_factory.mktemp("records"),
-        keepalive=0.05,
-    )
-    with ServerThread(options) as server:
-        yield server
-
-
-@pytest.fixture(autouse=True)
-def _engine_reset(engine: ScriptedEngine) -> Iterator[None]:
-    yield
-    engine.resume_stream()
-    engine.clear_faults()
-    engine.first_token_delay = 0.0
 
 
 def _chat(trajectory: dict[str, Any]) -> openai.OpenAI:
