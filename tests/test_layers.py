@@ -26,6 +26,7 @@ LAYERS = [
         "skycap.mock",
         "skycap.dashboard",
         "skycap.viewer",
+        "skycap.local_http",
         "skycap.certs",
         "skycap.control_token",
         "skycap.demo",

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 
+from skycap.local_http import LocalHTTPServer
 from skycap.mock.engine_wire import json_bytes
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -61,10 +61,9 @@ class EngineCalls(Protocol):
         """Count a stream sent to its end."""
 
 
-class EngineServer(ThreadingHTTPServer):
+class EngineServer(LocalHTTPServer):
     """Tracks open connections so stop() can close keep-alive clients too."""
 
-    daemon_threads = True
     engine: EngineCalls
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -80,11 +79,6 @@ class EngineServer(ThreadingHTTPServer):
                 except OSError:
                     pass
             self.connections.clear()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that resets its keep-alive connection has simply left: no traceback."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
 
 
 class EngineHandler(BaseHTTPRequestHandler):

@@ -1,20 +1,19 @@
 """The viewer's read-only HTTP server: the JSON API under /api/v1 (D-25) and the static page.
 
-Stdlib `ThreadingHTTPServer`, GET and HEAD only, bound to 127.0.0.1 by default. Listings
-come from the index's document summaries; a trajectory's sidecars are decoded here, on
-open, and sent as compact columns (the browser has no zstd).
+Stdlib `ThreadingHTTPServer` (skycap.local_http), GET and HEAD only, bound to 127.0.0.1 by
+default. Listings come from the index's document summaries; a trajectory's sidecars are
+decoded here, on open, and sent as compact columns (the browser has no zstd).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -22,6 +21,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import numpy as np
 import orjson
 
+from skycap.local_http import LocalHTTPServer
 from skycap.record.reader import RecordError, read_sidecar
 from skycap.record.remote import MirrorCache
 from skycap.viewer import derive
@@ -497,10 +497,9 @@ def _json(payload: Any) -> bytes:
     return orjson.dumps(payload, option=JSON_OPTIONS)
 
 
-class ViewerServer(ThreadingHTTPServer):
+class ViewerServer(LocalHTTPServer):
     """The HTTP server with its viewer, routes and static files (read once at start)."""
 
-    daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], viewer: Viewer) -> None:
@@ -512,11 +511,6 @@ class ViewerServer(ThreadingHTTPServer):
             for path in STATIC_DIR.iterdir()
             if path.suffix in CONTENT_TYPES
         }
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A browser that resets its keep-alive connection has simply left: no traceback."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:
