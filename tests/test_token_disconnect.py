@@ -104,15 +104,24 @@ def test_a_streamed_retry_waits_with_keepalives_then_gets_the_original(
     assert call["harness_saw_end"] is False  # the original's harness had left
 
 
-def test_a_streamed_retry_through_the_sdk_gets_the_original_reply(
+def _sdk_on_a_held_stream(
     control: Control, engine: ScriptedEngine
-) -> None:
+) -> tuple[dict[str, Any], openai.OpenAI]:
+    """A new trajectory whose next reply streams, then holds before its third chunk, and an
+    openai client on it that does not retry on its own (the test sends the retry)."""
     trajectory = control.create()
     engine.queue(ANSWER)
     engine.hold_stream(before_chunk=3)
     client = openai.OpenAI(
         base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0, timeout=5
     )
+    return trajectory, client
+
+
+def test_a_streamed_retry_through_the_sdk_gets_the_original_reply(
+    control: Control, engine: ScriptedEngine
+) -> None:
+    trajectory, client = _sdk_on_a_held_stream(control, engine)
     first = client.chat.completions.create(model="p", messages=START, stream=True)
     next(iter(first))
     first.close()  # the harness gives up after one event; the SDK sends the same bytes again
@@ -129,12 +138,7 @@ def test_a_streamed_retry_through_the_sdk_gets_the_original_reply(
 def test_a_streamed_responses_retry_through_the_sdk_reads_past_the_keepalive_events(
     control: Control, engine: ScriptedEngine
 ) -> None:
-    trajectory = control.create()
-    engine.queue(ANSWER)
-    engine.hold_stream(before_chunk=3)
-    client = openai.OpenAI(
-        base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0, timeout=5
-    )
+    trajectory, client = _sdk_on_a_held_stream(control, engine)
     first = client.responses.create(model="p", input="find x", stream=True)
     next(iter(first))
     first.close()
