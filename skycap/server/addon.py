@@ -120,7 +120,11 @@ _ACCESS_TAILS = {
 
 
 def route(method: str, path: str) -> tuple[str, str | None]:
-    """(kind, trajectory id) for a request line; matching is exact (http.md §1)."""
+    """(kind, trajectory id) for a request line; matching is exact.
+
+    Anything else is a miss, answered 404 and never forwarded
+    (docs/http.md "The HTTP contract, as built").
+    """
     path = path.partition("?")[0]
     for prefix, (kinds, other) in _NAMED.items():
         if path.startswith(prefix):

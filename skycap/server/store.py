@@ -164,7 +164,7 @@ class TrajectoryStore:
     async def finish(
         self, trajectory_id: str, annotations: dict[str, Any], paths: str | None
     ) -> Answer:
-        """Steps 1-6 of http.md §2.3; `paths` is None when the request gave none."""
+        """The steps of http.md §2.3 and its answer; `paths` is None when the request gave none."""
         if not is_trajectory_id(trajectory_id):
             return Answer.error(404, UNKNOWN)
         async with self._lock_for(trajectory_id):
