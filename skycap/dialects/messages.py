@@ -1,6 +1,6 @@
 """Anthropic Messages: requests read into canonical messages, replies, streams and errors.
 
-The canonical form is Chat Completions shaped (D-29, D-35). A request's top-level `system`
+The canonical form is Chat Completions shaped. A request's top-level `system`
 and any `role: "system"` entries become system messages; text blocks become the message's
 content (one block is its string); `tool_use` blocks become `tool_calls` with their
 `toolu_…` ids and the input as compact JSON arguments; `tool_result` blocks become
@@ -47,7 +47,7 @@ from skycap.dialects.messages_writer import MessagesWriter
 from skycap.hashing import token_digest
 from skycap.wire import BodyError, json_type
 
-#: Sampling keys this API has, under the chat names the graph records (format.md §4).
+#: Sampling keys this API has, under the chat names the graph records (format.md §3).
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")
 #: Anthropic stop reasons as the canonical (chat) finish reasons a call records.
 _FINISH_REASONS = {
@@ -284,7 +284,7 @@ def read_request(body: Any) -> Request:
     sampling = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
     stop = _stop_sequences(body.get("stop_sequences"))
     if stop:
-        sampling["stop"] = stop  # token mode applies it as a stop string (D-41)
+        sampling["stop"] = stop  # token mode applies it as a stop string
     request = Request(
         body=body,
         messages=messages,
@@ -444,7 +444,7 @@ class MessagesDialect:
         return stop_reason(canonical_reason)
 
     def stream_failure(self, assembler: MessagesAssembler, message: str) -> bytes:
-        """An `error` event (`api_error`) ends a relayed stream that broke (D-36)."""
+        """An `error` event (`api_error`) ends a relayed stream that broke."""
         return assembler.cut() + b"event: error\ndata: " + anthropic_error(502, message) + b"\n\n"
 
     def stream_writer(self, head: ReplyData, reasoning_keys: Sequence[str]) -> StreamWriter:

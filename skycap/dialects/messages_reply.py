@@ -13,7 +13,7 @@ import orjson
 
 from skycap.dialects import ReplyData
 
-#: D-36: the error `type` an Anthropic SDK expects for each status.
+#: The error `type` an Anthropic SDK expects for each status.
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -39,7 +39,8 @@ def arguments_json(value: Any) -> str:
 
 
 def anthropic_error(status: int, message: str, code: str | None = None) -> bytes:
-    """The Anthropic error body of D-36: `{"type": "error", "error": {type, message, code}}`."""
+    """The Anthropic error body, as the SDK reads it (http.md §1): `{"type": "error", "error":
+    {type, message, code}}`."""
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return orjson.dumps(
         {"type": "error", "error": {"type": kind, "message": message, "code": code}}

@@ -1,13 +1,13 @@
 """The skycap mitmproxy addon: routes control and harness requests over one trajectory store.
 
-It stays thin (docs/architecture.md): routing, body size (D-10) and mitmproxy's lifecycle
+It stays thin (docs/architecture.md): routing, body size and mitmproxy's lifecycle
 hooks live here; the routes in `routes`, the harness routes (gate, retries) in `harness`,
 running calls in the server's call mode (`textmode` or `tokenmode`), control answers in
 `control`, trajectories in `store`, proxy credentials and pass-through in `proxy`. A call
 captured through the proxy listener (`--proxy-port`) takes the same path as a
-`/t/{id}/v1` call; only where the trajectory id comes from differs (D-24). Built either
-from a ServerOptions (`skycap serve`, CaptureService) or, under `mitmdump -s
-addons/skycap.py`, from the `skycap_*` options (D-20).
+`/t/{id}/v1` call; only where the trajectory id comes from differs. Built either from a
+ServerOptions (`skycap serve`, CaptureService) or, under `mitmdump -s addons/skycap.py`,
+from the `skycap_*` options.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "
 RECORD = "record"
 HARNESS_MISS, MISS, OVERSIZE = "harness-miss", "miss", "oversize"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
-REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture (D-38)
+REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture
 CHAT, MESSAGES, COUNT_TOKENS, RESPONSES, COMPACT, RESPONSE_GET = (
     r.kind for d in routes.DIALECTS for r in d.routes
 )
@@ -80,7 +80,11 @@ def harness_kind(kind: str | None) -> bool:
 
 
 def route(method: str, path: str) -> tuple[str, str | None]:
-    """(kind, trajectory id) for a request line; matching is exact (http.md §1, D-7)."""
+    """(kind, trajectory id) for a request line; matching is exact.
+
+    Anything else is a miss, answered 404 and never forwarded
+    (docs/http.md "The HTTP contract, as built").
+    """
     path = path.partition("?")[0]
     if path.startswith("/t/"):
         trajectory_id, _, tail = path[3:].partition("/")
@@ -98,7 +102,7 @@ def route(method: str, path: str) -> tuple[str, str | None]:
 
 
 def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
-    """The kind of a request through the proxy listener (D-24, D-38).
+    """The kind of a request through the proxy listener.
 
     Model calls are captured on any host, matched by suffix so deployment paths
     (`/openai/deployments/x/chat/completions`) are captured too. Any other request to a
@@ -112,7 +116,7 @@ def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
 
 
 def dialect_of(flow: http.HTTPFlow, kind: str | None, host: str = "") -> Dialect:
-    """The dialect whose shapes a harness-route caller reads (D-36): see `RouteTable`."""
+    """The dialect whose shapes a harness-route caller reads: see `RouteTable`."""
     return routes.TABLE.dialect_of(kind, flow.request.headers, host)
 
 
@@ -281,7 +285,7 @@ class SkycapAddon:
         return path
 
     def close_to_calls(self) -> None:
-        """Shutdown's first step, before connections close (D-44): no trajectory takes calls."""
+        """Shutdown's first step, before connections close: no trajectory takes calls."""
         if self.store is not None and self.running_loop is not None:
             self.store.close_to_calls()
 
@@ -298,7 +302,7 @@ class SkycapAddon:
     # -- proxy listener --------------------------------------------------------------------------
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        """CONNECT names the tunnel's trajectory (D-24); mitmproxy refuses it in reverse mode."""
+        """CONNECT names the tunnel's trajectory; mitmproxy refuses it in reverse mode."""
         if self.proxy is not None and self.proxy.serves(flow):
             self.proxy.connect(flow)
 
@@ -315,7 +319,7 @@ class SkycapAddon:
                 flow.response.data.content = b""
 
     async def tcp_start(self, flow: tcp.TCPFlow) -> None:
-        """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits (D-43)."""
+        """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits."""
         if self.proxy is not None and self.proxy.serves(flow):
             await self.proxy.tcp_start(flow)
 
@@ -345,7 +349,7 @@ class SkycapAddon:
     # -- request hooks -------------------------------------------------------------------------
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
+        """Route once; send a body announced as oversize to the drain sink, unread."""
         if self._answered and not (flow.request.is_http2 or flow.request.is_http3):
             self._release_answered(flow.client_conn.id)  # HTTP/1: earlier answers are sent
         if self.proxy is not None and self.proxy.serves(flow):
@@ -379,7 +383,7 @@ class SkycapAddon:
             return
         try:
             await self._dispatch(flow, state, kind, trajectory_id)
-        except Exception as exc:  # answer, never fall through to the reverse target (D-7)
+        except Exception as exc:  # answer, never fall through to the reverse target
             logger.warning("%s %s failed: %r", flow.request.method, flow.request.path, exc)
             logger.debug("traceback", exc_info=True)
             _refuse(flow, kind, 500, f"internal error: {type(exc).__name__}: {exc}")
@@ -458,7 +462,7 @@ class SkycapAddon:
         return await self.control.document(trajectory_id)
 
     def _origin(self, flow: http.HTTPFlow) -> str:
-        """Where the caller reached us: the Host header if mitmproxy kept it (D-9)."""
+        """Where the caller reached us: the Host header if mitmproxy kept it."""
         scheme = "https" if flow.client_conn.tls_established else "http"
         host = flow.request.host_header if ctx.options.keep_host_header else None
         if not host:
