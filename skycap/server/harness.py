@@ -10,8 +10,6 @@ way the call runs as its own task, so a client disconnect does not cancel it.
 
 from __future__ import annotations
 
-import logging
-
 from mitmproxy import http
 
 from skycap.dialects import Dialect, Request, UnknownReply
@@ -24,8 +22,6 @@ from skycap.server.retry import Conflict, Entry, Found, call_key
 from skycap.server.store import SHUTTING_DOWN, UNKNOWN, TrajectoryStore
 from skycap.trajectory import is_trajectory_id
 from skycap.wire import BodyError, parse_json_body
-
-logger = logging.getLogger("skycap.server")
 
 
 class Harness:
