@@ -13,11 +13,15 @@ import zstandard
 
 from skycap.arrays import unpack
 from skycap.graph import CLIENT, MODEL, Tokens
+from skycap.hashing import token_match
 from skycap.record.journal import Journal, read_journal, replay_journals
 from skycap.record.reader import load_trajectory, read_document, read_sidecar
 from skycap.record.sidecars import KINDS, RowsKind, kind_order, register, unregister
 from skycap.record.writer import write_record
 from skycap.samples import build_samples, encode_sample, rows_all
+from skycap.tokens.commit import CommitError, commit_turn
+from skycap.tokens.engine import EngineOutput
+from skycap.tokens.plan import NewMessage, Plan
 from skycap.trajectory import Trajectory
 from skycap.viewer.validate import check_document
 
@@ -146,3 +150,42 @@ def test_a_kinds_arrays_survive_the_journal_and_its_replay(toy: RowsKind, tmp_pa
     replayed = replay_journals(tmp_path)
     assert replayed.written == [TR]
     assert _scores(load_trajectory(tmp_path, TR)) == _scores(trajectory)
+
+
+def test_token_mode_collects_a_kinds_rows_from_the_engine_output(
+    toy: RowsKind, tmp_path: Path
+) -> None:
+    """The engine wire fills `EngineOutput.extra`; the commit pads the scaffold with zeros."""
+    user = {"role": "user", "content": "hi"}
+    plan = Plan(
+        prompt_ids=[1, 2, 3, 4],
+        parent=None,
+        new=[NewMessage(user, token_match(user, "", "policy"), np.asarray([1, 2, 3], np.int32))],
+        scaffold=np.asarray([4], np.int32),
+        bridged=None,
+        reused=0,
+        routes_from=0,
+    )
+    call = {"t_start": 1.0, "t_end": 2.0, "model": "policy", "sampling": {}}
+    reply = {"role": "assistant", "content": "ok"}
+
+    def output(scores: list[float]) -> EngineOutput:
+        return EngineOutput(
+            completion_ids=[5, 6],
+            logprobs=[-0.5, -0.25],
+            finish_reason="stop",
+            extra={"scores": np.asarray(scores)},
+        )
+
+    trajectory = Trajectory(TR, capture={"mode": "tokens"})
+    with pytest.raises(CommitError, match=r"scores has shape \(3,\) for 2 completion tokens"):
+        commit_turn(trajectory, plan, output([1, 2, 3]), reply, dict(call), tools=None, model="p")
+    assert len(trajectory.graph) == 0
+    node = commit_turn(
+        trajectory, plan, output([0.5, 0.75]), reply, dict(call), tools=None, model="p"
+    )
+    assert node is not None and node.tokens.extra["scores"].tolist() == [0.0, 0.5, 0.75]
+    assert trajectory.graph[0].tokens.extra is None
+
+    write_record(trajectory, tmp_path)
+    assert _scores(load_trajectory(tmp_path, TR)) == [None, [0.0, 0.5, 0.75]]

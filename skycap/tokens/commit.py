@@ -93,6 +93,9 @@ def _check_turn(
         raise CommitError(
             f"sampling mask has {len(output.sampling_mask)} rows for {count} completion tokens"
         )
+    for name, rows in (output.extra or {}).items():
+        if rows.ndim < 1 or rows.shape[0] != count:
+            raise CommitError(f"{name} has shape {rows.shape} for {count} completion tokens")
     experts = output.routed_experts
     if experts is None:
         return
@@ -159,7 +162,20 @@ def _model_tokens(plan: Plan, output: EngineOutput, experts: np.ndarray | None) 
         mask_offsets=mask_offsets,
         experts_placeholder=experts is not None
         and covered < len(plan.prompt_ids) + len(output.completion_ids),
+        extra=_model_extra(scaffold, output),
     )
+
+
+def _model_extra(scaffold: int, output: EngineOutput) -> dict[str, np.ndarray] | None:
+    """The model node's rows of each `extra` kind: zeros over the scaffold, then the engine's."""
+    if not output.extra:
+        return None
+    out = {}
+    for name, rows in output.extra.items():
+        block = np.zeros((scaffold + rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+        block[scaffold:] = rows
+        out[name] = block
+    return out
 
 
 def _replace_placeholder(trajectory: Trajectory, plan: Plan, output: EngineOutput) -> None:

@@ -48,6 +48,9 @@ class EngineOutput:
     sampling_mask: list[list[int]] | None = None
     #: The engine's own finish reason when it differs from `finish_reason` (`repetition`).
     engine_finish_reason: str | None = None
+    #: Rows per completion token of sidecar kinds kept in `Tokens.extra`, by field name
+    #: (skycap/record/sidecars.py); the commit gives the scaffold zero rows.
+    extra: dict[str, np.ndarray] | None = None
 
     @property
     def missing_logprobs(self) -> int:
