@@ -1,10 +1,10 @@
 """What a sidecar kind is: the one interface the writer, reader, journal, validator and samples ask.
 
-A kind owns its arrays (the columns of its payload, format.md §10), the keys it adds to a
-node's `tokens` object, the `Tokens` attributes it fills, how a record's nodes are
+A kind owns its arrays (the columns of its payload, docs/format.md's "Sidecars"), the keys
+it adds to a node's `tokens` object, the `Tokens` attributes it fills, how a record's nodes are
 collected into its payload, how a node's slice is read back, how a trajectory's path is
 sliced into a sample, and the validation rules that are its own. `skycap/record/sidecars.py`
-holds the registry; the record code below it never names a kind.
+holds the registry, so the code reading and writing records names no kind beyond `tokens`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def as_list(value: Any) -> list[Any]:
 def node_specs(document: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """Each node's `tokens` object, `{}` where it has none or the document is malformed."""
     return [as_dict(as_dict(n).get("tokens")) for n in as_list(document.get("nodes"))]
+
+
+def array_shape0(entry: Any, name: str) -> int | None:
+    """The first dimension a manifest entry lists for array `name`, or None."""
+    shape = as_dict(as_dict(as_dict(entry).get("arrays")).get(name)).get("shape")
+    return shape[0] if isinstance(shape, list) and shape and is_int(shape[0]) else None
 
 
 class NodeFields:
@@ -124,7 +130,8 @@ class SidecarKind:
         return None
 
     def encode(self, value: Any) -> Any:
-        """The sample array as the finish wire carries it (graph.md §11)."""
+        """The sample array as the finish wire carries it (docs/graph.md's "Per-sample arrays
+        and their encoding")."""
         return value
 
     def get(self, tokens: Tokens, field: str) -> Any:

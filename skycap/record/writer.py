@@ -20,7 +20,8 @@ from skycap.record.layout import (
     sidecar_name,
     temp_name,
 )
-from skycap.record.sidecars import KINDS, REGISTRY, text_problem, warn_no_text
+from skycap.record.sidecars import KINDS, REGISTRY
+from skycap.record.tokens_kind import text_problem, warn_no_text
 from skycap.trajectory import Trajectory
 
 DecodeSpans = Callable[[list[int], list[int]], tuple[bytes, list[int]]]

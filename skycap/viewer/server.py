@@ -24,7 +24,7 @@ import orjson
 from skycap.local_http import LocalHTTPServer
 from skycap.record.reader import RecordError, read_sidecar
 from skycap.record.remote import MirrorCache
-from skycap.record.sidecars import TOKEN_ARRAYS
+from skycap.record.tokens_kind import TOKEN_ARRAYS
 from skycap.viewer import derive
 from skycap.viewer.groups import (
     DEFAULT_GROUP_BY,
