@@ -1,4 +1,4 @@
-"""The record writer: sidecars then document, each one zstd frame (format.md §3, D-19)."""
+"""The record writer: sidecars then document, each one zstd frame (format.md §2)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from skycap.record.tokens_kind import text_problem, warn_no_text
 from skycap.trajectory import Trajectory
 
 DecodeSpans = Callable[[list[int], list[int]], tuple[bytes, list[int]]]
-CONTEXT_TOKENS = 8  # graph.md §7.8: a node's text is decoded primed with its parent's last 8 tokens
+# format.md §6.1: a node's text is decoded primed with its parent's last 8 tokens
+CONTEXT_TOKENS = 8
 LEVEL = 3
 # One zstd worker thread compresses while this thread writes the file: the frame stays a
-# single frame with its content size (D-19), and writing costs about what compressing does.
+# single frame with its content size, and writing costs about what compressing does.
 THREADS = 1
 
 
@@ -39,7 +40,7 @@ def write_record(
 
     Synchronous and CPU-bound: the server runs it in a worker thread. Names come back
     sidecars first in kind order, document last (http.md §2.3). With `decode_spans`, token
-    nodes without text are decoded first and keep their text (graph.md §7.8).
+    nodes without text are decoded first and keep their text (format.md §6.1).
     """
     if not is_plain_name(trajectory.id):
         raise ValueError(f"trajectory id {trajectory.id!r} cannot name a record file")
@@ -74,10 +75,10 @@ def write_record(
 
 
 def finalise_text(trajectory: Trajectory, decode_spans: DecodeSpans) -> None:
-    """Decode every token node that has no text yet and keep what passes the §10.2 checks.
+    """Decode every token node that has no text yet and keep what passes the format.md §6.1 checks.
 
     A node whose decoding raises or yields bad offsets keeps no text and is written
-    without it (format.md §9); a later rewrite tries again.
+    without it (format.md §5); a later rewrite tries again.
     """
     graph = trajectory.graph
     for node in graph:
@@ -110,13 +111,13 @@ def _context(graph: Graph, node: Node) -> list[int]:
 
 class _SidecarBuilder:
     """Collects every token node's arrays as column pieces of each kind and assigns its
-    slots (format.md §9): one collector per registered kind."""
+    slots (format.md §5): one collector per registered kind."""
 
     def __init__(self, trajectory_id: str) -> None:
         self.collectors = {name: REGISTRY[name].collector(trajectory_id) for name in KINDS}
 
     def add(self, node: Node) -> dict[str, Any] | None:
-        """The node's `tokens` object (format.md §9, key order kept), its arrays queued."""
+        """The node's `tokens` object (format.md §5, key order kept), its arrays queued."""
         tokens = node.tokens
         if tokens is None:
             return None
@@ -127,7 +128,7 @@ class _SidecarBuilder:
         return entry
 
     def payloads(self) -> dict[str, Payload]:
-        """kind → payload for each kind that has data, in kind order (format.md §2)."""
+        """kind → payload for each kind that has data, in kind order (format.md §1)."""
         payloads = {}
         for kind, collector in self.collectors.items():
             columns = collector.columns()
@@ -140,7 +141,7 @@ def _write_file(
     record_dir: Path, name: str, size: int, chunks: Iterable[bytes | np.ndarray]
 ) -> None:
     """Stream `size` bytes into one zstd frame with its content size and content checksum
-    (XXH64, verified by every zstd decoder) set (D-19, issue 17), then rename.
+    (XXH64, verified by every zstd decoder) set (issue 17), then rename.
 
     The frame goes to `.{name}.tmp` and is fsynced before the rename, so the final name
     only ever holds a complete file; on any error the temp file is removed.

@@ -128,7 +128,8 @@ class EngineClient:
         return response.status_code, response.content
 
     async def release(self, session_id: str) -> None:
-        """Ask the engine to drop the session's state (best effort, http.md §11)."""
+        """Ask the engine to drop the session's state
+        (best effort, docs/tokens.md "Engines and renderers")."""
         await self._best_effort(
             "release", session_id, self.engine.release_path, params={"session_id": session_id}
         )
@@ -174,7 +175,8 @@ def engine_status_message(status: int, body: str) -> str:
     the call failed (a 404 from a wrong --upstream-url, an engine's validation error).
 
     The excerpt is the body with whitespace collapsed, cut to ENGINE_EXCERPT_LIMIT
-    characters; the failure entry keeps the body itself (http.md §9.8).
+    characters; the failure entry keeps the body itself
+    (docs/tokens.md "Outcomes the harness sees").
     """
     excerpt = " ".join(body.split())
     if len(excerpt) > ENGINE_EXCERPT_LIMIT:

@@ -2,7 +2,7 @@
 (buffered, or streamed through the relay) and the checks on what the engine returned.
 
 Each step either returns what the turn goes on with or raises TurnFailed with the reply in
-the caller's dialect; an engine failure is recorded on the trajectory first (D-14).
+the caller's dialect; an engine failure is recorded on the trajectory first.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def check_limits(
     prompt_tokens: int,
     dialect: Dialect,
 ) -> int | None:
-    """Refusals before inference (http.md §9.2 steps 3-4); returns the room left, if bounded."""
+    """Refusals before inference (http.md §3.2); returns the room left, if bounded."""
     bound = request.extras.get("max_prompt_tokens")
     if bound is not None:
         if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
@@ -76,10 +76,10 @@ def engine_request(
     model: str | None,
     dialect: Dialect,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(effective sampling, engine request body) (http.md §9.3-9.4).
+    """(effective sampling, engine request body) (http.md §3.2).
 
     The model's generation defaults fill what the caller left out, then the overrides
-    win (D-41). What vLLM would refuse answers 400 naming the field.
+    win. What vLLM would refuse answers 400 naming the field.
     """
     caller = dict(request.sampling)
     if "max_completion_tokens" in caller:
@@ -118,7 +118,7 @@ async def generate(
     routes_from: int,
     dialect: Dialect,
 ) -> EngineOutput:
-    """Call the engine and read its reply; failures are recorded and answered 502/5xx (D-14)."""
+    """Call the engine and read its reply; failures are recorded and answered 502/5xx."""
     try:
         status, content = await settings.client.generate(trajectory.id, orjson.dumps(body))
         if status != 200:
@@ -196,7 +196,7 @@ def check_mask(
 async def cut_at_stop(
     settings: TokenSettings, output: EngineOutput, sampling: Mapping[str, Any], plan: Plan
 ) -> StopMatch | None:
-    """Cut the completion at the first stop string (D-41), in place; the match or None.
+    """Cut the completion at the first stop string, in place; the match or None.
 
     Every dialect's stop strings arrive as the canonical `stop` (Chat Completions
     `stop`, Anthropic `stop_sequences`).

@@ -1,5 +1,5 @@
 """What a token-mode call answers: the Reply, and the refusals and failures that end a turn
-before its commit, written in the caller's dialect (http.md §9.2, D-36)."""
+before its commit, written in the caller's dialect (http.md §3.2)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def error(
     *,
     param: str | None = None,
 ) -> Reply:
-    """A refusal or failure in the caller's dialect (D-36); `param` names the field at fault."""
+    """A refusal or failure in the caller's dialect; `param` names the field at fault."""
     body = dialect.error(status, message, code, param)
     return Reply(status, {"content-type": "application/json"}, body)
 

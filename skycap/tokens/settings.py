@@ -16,7 +16,7 @@ from skycap.tokens.renderer_pool import RendererPool
 class TokenSettings:
     """The options of skycap.tokens.backend.TokenBackend, as the turn uses them.
 
-    `generation_defaults` are the model's own sampling defaults (D-41); `stop_token_ids`
+    `generation_defaults` are the model's own sampling defaults; `stop_token_ids`
     and `think_end` come from the primary renderer.
     """
 

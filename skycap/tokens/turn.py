@@ -1,4 +1,4 @@
-"""One token-mode turn, from the read call to its answer (http.md §9.2): plan the prompt,
+"""One token-mode turn, from the read call to its answer (http.md §3.2): plan the prompt,
 run the engine steps (skycap.tokens.inference), parse the completion, build the call
 record, commit, and answer in the call's dialect, streamed or whole.
 
@@ -35,9 +35,9 @@ from skycap.trajectory import FAILED, Trajectory
 
 @dataclass
 class TrajectoryState:
-    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18),
-    the last committed turn's token lists for the next plan (D-27), and the replies a
-    dialect with reply ids answered, for `GET …/v1/responses/{id}` (D-40)."""
+    """Per-trajectory turn state, in memory only: the turn lock, the experts layout,
+    the last committed turn's token lists for the next plan, and the replies a
+    dialect with reply ids answered, for `GET …/v1/responses/{id}`."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     experts_shape: tuple[int, ...] | None = None
@@ -56,7 +56,7 @@ async def run_turn(
 ) -> Reply:
     """Run one turn; raises TurnFailed for a refusal or a failure before the commit."""
     t_start = time.time()
-    # A dialect whose tools a template cannot all express renders fewer (D-29).
+    # A dialect whose tools a template cannot all express renders fewer.
     tools = request.extras["token_tools"] if "token_tools" in request.extras else request.tools
     served = await settings.served.on_call(settings.client.list_models)
     model = served or model_key(request.model)
@@ -111,7 +111,7 @@ async def run_turn(
     if dialect.reply_id_key is not None:
         call[dialect.reply_id_key] = reply_id
     if harness_present is not None and not harness_present():
-        call["harness_saw_end"] = False  # D-52: committed after the harness went away
+        call["harness_saw_end"] = False  # committed after the harness went away
     status = _commit(trajectory, plan, output, stored, call, tools, model, state, dialect)
     answered = answered_message(
         stored, use_raw_content=settings.use_raw_content, reasoning_field=settings.reasoning_field
@@ -129,7 +129,7 @@ async def run_turn(
         reasoning_tokens=think,
     )
     if status == "ok" and dialect.reply_id_key is not None:
-        state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id} (D-40)
+        state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id}
     reply = _answer(request, dialect, data, status)
     committed = call if status == "ok" else None
     if relay is not None:
@@ -197,7 +197,8 @@ def _commit(
     state: TrajectoryState,
     dialect: Dialect,
 ) -> str:
-    """Commit on the event loop; a CommitError seals the trajectory `failed` (graph.md §8)."""
+    """Commit on the event loop; a CommitError seals the trajectory `failed`
+    (docs/tokens.md "Outcomes the harness sees")."""
     try:
         node = commit_turn(
             trajectory,
@@ -248,7 +249,7 @@ def reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> in
 
 
 def _call_extras(output: EngineOutput, stop: StopMatch | None) -> dict[str, Any]:
-    """The call fields recorded only when they apply (D-41)."""
+    """The call fields recorded only when they apply."""
     extras: dict[str, Any] = {}
     if stop is not None:
         extras["stop_string"] = stop.stop
