@@ -2,9 +2,9 @@
 
 The writer, reader, journal, validator, summary and samples read this registry, so a new
 per-token sidecar is one entry here plus its `Tokens` field (`skycap/graph.py`; none for a
-kind kept in `Tokens.extra`) and where token mode collects it (the engine wire fills
-`EngineOutput.extra`); see docs/architecture.md's "Sidecar kinds". `KINDS` lists the names
-in kind order: the order files are written and listed (docs/format.md's "Write protocol").
+kind kept in `Tokens.extra`) and the engine wire's parse that fills `EngineOutput.extra`;
+see docs/architecture.md's "Sidecar kinds". `KINDS` lists the names in kind order: the
+order files are written and listed (docs/format.md's "Write protocol").
 """
 
 from __future__ import annotations
