@@ -67,6 +67,14 @@ INNER_LAYERS = [
         ("skycap.dialects.messages_writer", "skycap.dialects.responses_writer"),
         ("skycap.dialects.chat", "skycap.dialects.messages", "skycap.dialects.responses"),
     ],
+    [  # the record: the sidecar kinds sit between the layout and what reads and writes records
+        ("skycap.record.layout", "skycap.record.frames"),
+        ("skycap.record.sidecar_kind",),
+        ("skycap.record.tokens_kind",),
+        ("skycap.record.sidecars",),
+        ("skycap.record.reader", "skycap.record.writer"),
+        ("skycap.record.journal",),
+    ],
     [
         ("skycap.mock.vllm_rules", "skycap.mock.engine_wire"),
         ("skycap.mock.engine_http",),
