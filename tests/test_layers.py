@@ -46,6 +46,27 @@ INNER_LAYERS = [
         ("skycap.server.answer", "skycap.server.live", "skycap.server.records"),
         ("skycap.server.store",),
     ],
+    [  # the server: the gate asks the call mode, which never asks the gate's caller
+        (
+            "skycap.server.flowstate",
+            "skycap.server.loopback",
+            "skycap.server.earlier",
+            "skycap.server.routes",
+        ),
+        ("skycap.server.mode",),
+        ("skycap.server.harness",),
+        ("skycap.server.textmode", "skycap.server.tokenmode"),
+        ("skycap.server.addon",),
+    ],
+    [  # a dialect's writer is cut from its reply pieces; the dialect object sits on both
+        (
+            "skycap.dialects.chat_writer",
+            "skycap.dialects.messages_reply",
+            "skycap.dialects.responses_reply",
+        ),
+        ("skycap.dialects.messages_writer", "skycap.dialects.responses_writer"),
+        ("skycap.dialects.chat", "skycap.dialects.messages", "skycap.dialects.responses"),
+    ],
     [  # the record: the sidecar kinds sit between the layout and what reads and writes records
         ("skycap.record.layout", "skycap.record.frames"),
         ("skycap.record.sidecar_kind",),

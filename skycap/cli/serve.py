@@ -84,12 +84,8 @@ def run(args: argparse.Namespace) -> int:
             from skycap.record.mirror import redact
 
             lines.append(f"records mirrored to {redact(options.record_mirror)}")
-        if addon.backend is not None:
-            lines.append(
-                f"token mode: {addon.backend.served.describe()}; logprobs_mode "
-                f"{options.logprobs_mode} (vLLM's --logprobs-mode must match: its default is "
-                "raw_logprobs)"
-            )
+        if addon.mode is not None and (described := addon.mode.describe()) is not None:
+            lines.append(described)
         if token_file is not None:
             lines.append(f"control token in {token_file} (mode 0600)")
         if addon.proxy is not None:

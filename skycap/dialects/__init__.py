@@ -22,14 +22,28 @@ spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
   signatures name `reasoning_ids` (the tokens through the end of the thinking, so a
   stream can send them when the thinking ends), or the whole completion.
 
-Token mode's SSE written as a reply is generated is a `StreamWriter`, one per dialect in
-`skycap.dialects.writers` (`stream_writer(dialect, head, reasoning_keys)`).
+Token mode's SSE written as a reply is generated is a `StreamWriter` (`stream_writer`).
 - `reply_id() -> str`: a fresh id for a token-mode reply (`chatcmpl-…`, `msg_…`).
 - `reply_json(reply: ReplyData) -> bytes` and `reply_sse(reply: ReplyData) -> bytes`: token
   mode's answer from plain data, as one JSON body or one buffered SSE body.
 - `error(status, message, code=None, param=None) -> bytes`: the dialect's error body;
   `param` names the request field at fault where the API's error shape has a place for it.
 - `finish_reason(canonical) -> str`: the dialect's spelling of a canonical finish reason.
+- `routes`: the harness routes this API answers (`Route`: method, path tail after
+  `/t/{id}/v1/`, the suffix matched through the proxy listener, what the route does); the
+  server's route table is built from them, so a route is written once.
+- `caller_header`, `api_host`: a request header its SDKs always send, and the API's own
+  host, by which a route every API shares (the model list, an unknown path, a refusal
+  through the proxy) answers in this API's error shape; None when it has neither.
+- `stream_writer(head, reasoning_keys) -> StreamWriter`: token mode's SSE for one reply,
+  written as it is generated (`head` holds its id, model, prompt size and request;
+  `reasoning_keys` the reasoning keys a Chat Completions reply answers).
+- `models_listing(status, body) -> bytes`: token mode's OpenAI-shaped model list in this
+  API's shape, for a caller this dialect claims.
+- `prepare(request, earlier, renders)`: what a call needs before it is de-duplicated and
+  run, given the trajectory's earlier replies (`Earlier`); `renders` is whether skycap
+  renders the prompt itself (token mode). Responses places a `previous_response_id` call
+  after that response here; raises `UnknownReply` (a 404 naming `param`) or `BodyError`.
 
 Finish reasons on the canonical side are Chat Completions': `stop`, `length`, `tool_calls`.
 """
@@ -42,7 +56,74 @@ from typing import Any, Protocol
 
 from skycap.dialects.sse import StreamError
 
-__all__ = ["Assembler", "Dialect", "ReplyData", "Request", "StreamError", "StreamWriter"]
+__all__ = [
+    "Assembler",
+    "Dialect",
+    "Earlier",
+    "ReplyData",
+    "Request",
+    "Route",
+    "StreamError",
+    "StreamWriter",
+    "UnknownReply",
+]
+
+#: What a route does (`Route.action`): run a model call, count its prompt's tokens, list
+#: the models, answer a stored reply by id, or refuse it as not captured.
+CALL, COUNT_TOKENS, MODELS, STORED_REPLY, NOT_CAPTURED = (
+    "call",
+    "count_tokens",
+    "models",
+    "stored_reply",
+    "not_captured",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One harness route, written once.
+
+    `kind` names it (routing, the access log); `tail` is its path after `/t/{id}/v1/`
+    and `proxy` the path suffix it is matched by through the proxy listener. A `tail`
+    ending in `/` is a prefix an id follows (`responses/{id}`); its `proxy` is then
+    matched anywhere in the path. `refusal` is the message a NOT_CAPTURED route answers.
+    """
+
+    kind: str
+    method: str
+    tail: str
+    proxy: str
+    action: str = CALL
+    refusal: str = ""
+
+    @property
+    def prefix(self) -> bool:
+        return self.tail.endswith("/")
+
+    @property
+    def access_tail(self) -> str:
+        """The path the access log shows after `/t/{id}/v1/`."""
+        return self.tail + "{id}" if self.prefix else self.tail
+
+
+class UnknownReply(LookupError):
+    """A call names an earlier reply this trajectory did not answer (a 404 naming `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Earlier(Protocol):
+    """A trajectory's earlier replies, as a call that names one by id reads them."""
+
+    @property
+    def trajectory_id(self) -> str: ...
+
+    def history(self, reply_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """(the messages through the reply recorded under `reply_id`, the call that
+        recorded it), the newest such reply; None when there is none."""
+        ...
 
 
 @dataclass(slots=True)
@@ -140,6 +221,9 @@ class Dialect(Protocol):
     name: str
     upstream_path: bytes
     reply_id_key: str | None
+    routes: tuple[Route, ...]
+    caller_header: str | None
+    api_host: str | None
 
     def read(self, body: Any) -> Request: ...
 
@@ -167,3 +251,9 @@ class Dialect(Protocol):
     def finish_reason(self, canonical: str) -> str: ...
 
     def stream_failure(self, assembler: Any, message: str) -> bytes: ...
+
+    def stream_writer(self, head: ReplyData, reasoning_keys: Sequence[str]) -> StreamWriter: ...
+
+    def models_listing(self, status: int, body: bytes) -> bytes: ...
+
+    def prepare(self, request: Request, earlier: Earlier, renders: bool) -> None: ...

@@ -12,7 +12,14 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects import ReplyData, Request, canonical, tool_choice
+from skycap.dialects import Earlier, ReplyData, Request, Route, StreamWriter, canonical, tool_choice
+from skycap.dialects.chat_writer import (
+    ChatWriter,
+    include_usage,
+    openai_error,
+    reply_head,
+    usage_of,
+)
 from skycap.dialects.sse import EventStream, StreamError
 from skycap.wire import BodyError, json_type
 
@@ -64,14 +71,6 @@ def recorded_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
     Text mode records exactly this; token mode merges it with the overrides first.
     """
     return {key: body[key] for key in SAMPLING_KEYS if body.get(key) is not None}
-
-
-def openai_error(
-    status: int, message: str, code: str | None = None, param: str | None = None
-) -> bytes:
-    """The harness-route error body of http.md §1 (SDKs read `error.message`, `code`, `param`)."""
-    kind = "api_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def completion_id() -> str:
@@ -253,23 +252,6 @@ def reply_message(parsed: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
     )
 
 
-def _usage(reply: ReplyData) -> dict[str, int]:
-    return {
-        "prompt_tokens": reply.prompt_tokens,
-        "completion_tokens": reply.completion_tokens,
-        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-    }
-
-
-def _head(reply: ReplyData, kind: str) -> dict[str, Any]:
-    return {"id": reply.id, "object": kind, "created": reply.created, "model": reply.model}
-
-
-def _include_usage(body: Mapping[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
-
-
 #: Reasoning keys a reply may carry, in the order a stream sends them.
 _REASONING_KEYS = ("reasoning_content", "reasoning")
 
@@ -280,6 +262,9 @@ class ChatDialect:
     name = "chat"
     upstream_path = b"/chat/completions"
     reply_id_key = None
+    routes = (Route("chat", "POST", "chat/completions", "/chat/completions"),)
+    caller_header = None
+    api_host = None
 
     def read(self, body: Any) -> Request:
         body = check_chat_request(body)
@@ -323,7 +308,7 @@ class ChatDialect:
             "message": reply.message,
         }
         return orjson.dumps(
-            {**_head(reply, "chat.completion"), "choices": [choice], "usage": _usage(reply)}
+            {**reply_head(reply, "chat.completion"), "choices": [choice], "usage": usage_of(reply)}
         )
 
     def reply_sse(self, reply: ReplyData) -> bytes:
@@ -332,7 +317,7 @@ class ChatDialect:
         Usage comes as a last `choices: []` chunk, only when the request asked for it with
         `stream_options.include_usage` (as OpenAI and vLLM send it).
         """
-        head = _head(reply, "chat.completion.chunk")
+        head = reply_head(reply, "chat.completion.chunk")
 
         def frame(delta: dict[str, Any], reason: str | None = None) -> bytes:
             choice = {"index": 0, "delta": delta, "finish_reason": reason}
@@ -348,8 +333,8 @@ class ChatDialect:
         for index, call in enumerate(message.get("tool_calls") or ()):
             frames.append(frame({"tool_calls": [{"index": index, **call}]}))
         frames.append(frame({}, reply.finish_reason))
-        if reply.request is not None and _include_usage(reply.request.body):
-            usage = {**head, "choices": [], "usage": _usage(reply)}
+        if reply.request is not None and include_usage(reply.request.body):
+            usage = {**head, "choices": [], "usage": usage_of(reply)}
             frames.append(b"data: " + orjson.dumps(usage) + b"\n\n")
         frames.append(b"data: [DONE]\n\n")
         return b"".join(frames)
@@ -365,6 +350,15 @@ class ChatDialect:
     def stream_failure(self, assembler: StreamAssembler, message: str) -> bytes:
         """An `error` data event ends a relayed stream that broke (the SDK raises it)."""
         return assembler.cut() + b"data: " + openai_error(502, message) + b"\n\n"
+
+    def stream_writer(self, head: ReplyData, reasoning_keys: Sequence[str]) -> StreamWriter:
+        return ChatWriter(head, reasoning_keys)
+
+    def models_listing(self, status: int, body: bytes) -> bytes:
+        return body  # the engine's list is already in this API's shape
+
+    def prepare(self, request: Request, earlier: Earlier, renders: bool) -> None:
+        """A call stands on its own messages: nothing to prepare."""
 
 
 DIALECT = ChatDialect()

@@ -1,4 +1,5 @@
-"""Chat Completions SSE written as a token-mode reply is generated: chunk by chunk, then the end.
+"""Chat Completions replies as skycap writes them: the error body, reply heads, and the SSE
+written as a token-mode reply is generated (chunk by chunk, then the end).
 
 The chunks joined are the buffered stream `ChatDialect.reply_sse` writes for the same
 reply: a role chunk, reasoning and content deltas, each tool call whole (once parsed),
@@ -7,22 +8,49 @@ the finish chunk, the usage chunk when `stream_options.include_usage` asks, `[DO
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from skycap.dialects import ReplyData
-from skycap.dialects.chat import _head, _include_usage, _usage, openai_error
 
 KEEPALIVE = b": keep-alive\n\n"
+
+
+def openai_error(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> bytes:
+    """The harness-route error body of http.md §1 (SDKs read `error.message`, `code`, `param`)."""
+    kind = "api_error" if status >= 500 else "invalid_request_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def usage_of(reply: ReplyData) -> dict[str, int]:
+    """The `usage` object of a reply."""
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+def reply_head(reply: ReplyData, kind: str) -> dict[str, Any]:
+    """The fields every reply object and chunk opens with; `kind` is its `object`."""
+    return {"id": reply.id, "object": kind, "created": reply.created, "model": reply.model}
+
+
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """Whether the request asks for a usage chunk at the end of the stream."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 class ChatWriter:
     """One streamed Chat Completions reply; `reasoning_keys` are the answered reasoning keys."""
 
     def __init__(self, head: ReplyData, reasoning_keys: Sequence[str]) -> None:
-        self._head = _head(head, "chat.completion.chunk")
+        self._head = reply_head(head, "chat.completion.chunk")
         self._reasoning_keys = tuple(reasoning_keys)
 
     def _frame(self, delta: dict[str, Any], reason: str | None = None) -> bytes:
@@ -47,8 +75,8 @@ class ChatWriter:
             for index, call in enumerate(reply.message.get("tool_calls") or ())
         ]
         frames.append(self._frame({}, reply.finish_reason))
-        if reply.request is not None and _include_usage(reply.request.body):
-            usage = {**self._head, "choices": [], "usage": _usage(reply)}
+        if reply.request is not None and include_usage(reply.request.body):
+            usage = {**self._head, "choices": [], "usage": usage_of(reply)}
             frames.append(b"data: " + orjson.dumps(usage) + b"\n\n")
         frames.append(b"data: [DONE]\n\n")
         return b"".join(frames)

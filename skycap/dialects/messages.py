@@ -21,27 +21,35 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects import ReplyData, Request, canonical, tool_choice
+from skycap.dialects import (
+    COUNT_TOKENS,
+    Earlier,
+    ReplyData,
+    Request,
+    Route,
+    StreamWriter,
+    canonical,
+    tool_choice,
+)
+from skycap.dialects.messages_reply import (
+    anthropic_error,
+    arguments_json,
+    block_frames,
+    content_blocks,
+    frame,
+    message_object,
+    models_listing,
+    reply_stop,
+    stop_reason,
+)
 from skycap.dialects.messages_stream import MessagesAssembler
+from skycap.dialects.messages_writer import MessagesWriter
 from skycap.hashing import token_digest
 from skycap.wire import BodyError, json_type
 
 #: Sampling keys this API has, under the chat names the graph records (format.md §3).
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")
-#: The error `type` an Anthropic SDK expects for each status.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    407: "authentication_error",
-    410: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-#: Canonical (chat) finish reasons and Anthropic stop reasons, both ways.
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+#: Anthropic stop reasons as the canonical (chat) finish reasons a call records.
 _FINISH_REASONS = {
     "end_turn": "stop",
     "stop_sequence": "stop",
@@ -56,15 +64,6 @@ PREFILL_REFUSED = (
     "a final assistant message (prefill) is not supported in token mode; end the "
     "conversation with a user message"
 )
-
-
-def arguments_json(value: Any) -> str:
-    """A tool call's input as its canonical `arguments` string: compact JSON, raw UTF-8.
-
-    It is the renderer's spelling of parsed arguments, so a token-mode reply and its
-    replay agree byte for byte.
-    """
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _where(i: int, j: int | None = None) -> str:
@@ -325,19 +324,6 @@ def _token_refusal(
     return None
 
 
-def anthropic_error(status: int, message: str, code: str | None = None) -> bytes:
-    """The Anthropic error body, as the SDK reads it (http.md §1): `{"type": "error", "error":
-    {type, message, code}}`."""
-    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return orjson.dumps(
-        {"type": "error", "error": {"type": kind, "message": message, "code": code}}
-    )
-
-
-def stop_reason(finish_reason: str) -> str:
-    return _STOP_REASONS.get(finish_reason, finish_reason)
-
-
 def finish_reason_of(stop: Any) -> Any:
     """The canonical finish reason a call records for an Anthropic `stop_reason`."""
     return _FINISH_REASONS.get(stop, stop) if isinstance(stop, str) else None
@@ -358,54 +344,8 @@ def _issued_call(call: dict[str, Any], completion_ids: Sequence[int], k: int) ->
     return {**call, "id": _id("toolu_", completion_ids, k), "function": function}
 
 
-def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Anthropic content list of a canonical assistant message skycap answers."""
-    blocks: list[dict[str, Any]] = []
-    for entry in message.get("thinking_blocks") or ():
-        blocks.append(dict(entry))
-    content = message.get("content")
-    if isinstance(content, str) and content:
-        blocks.append({"type": "text", "text": content})
-    elif isinstance(content, list):
-        blocks.extend(dict(p) for p in content)
-    for call in message.get("tool_calls") or ():
-        function = call["function"]
-        try:
-            arguments = json.loads(function["arguments"])
-        except ValueError:
-            arguments = {"arguments": function["arguments"]}
-        blocks.append(
-            {"type": "tool_use", "id": call["id"], "name": function["name"], "input": arguments}
-        )
-    return blocks
-
-
 def _streamed_reply(blocks: list[dict[str, Any]], stop: str) -> tuple[dict[str, Any], str]:
     return assistant_message(blocks), finish_reason_of(stop)
-
-
-def models_listing(status: int, body: bytes) -> bytes:
-    """An OpenAI-shaped model list (`{"data": [{"id"}]}`) in Anthropic's shape, else as is."""
-    try:
-        listing = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body
-    data = listing.get("data") if isinstance(listing, dict) else None
-    if status != 200 or not isinstance(data, list):
-        return body
-    models = [
-        {
-            "type": "model",
-            "id": entry["id"],
-            "display_name": entry["id"],
-            "created_at": "1970-01-01T00:00:00Z",
-        }
-        for entry in data
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str)
-    ]
-    first = models[0]["id"] if models else None
-    last = models[-1]["id"] if models else None
-    return orjson.dumps({"data": models, "has_more": False, "first_id": first, "last_id": last})
 
 
 class MessagesDialect:
@@ -414,6 +354,18 @@ class MessagesDialect:
     name = "messages"
     upstream_path = b"/messages"
     reply_id_key = None
+    routes = (
+        Route("messages", "POST", "messages", "/v1/messages"),
+        Route(
+            "count-tokens",
+            "POST",
+            "messages/count_tokens",
+            "/v1/messages/count_tokens",
+            COUNT_TOKENS,
+        ),
+    )
+    caller_header = "anthropic-version"  # every Anthropic SDK sends it
+    api_host = "api.anthropic.com"
 
     def read(self, body: Any) -> Request:
         return read_request(body)
@@ -464,41 +416,22 @@ class MessagesDialect:
     def reply_id(self) -> str:
         return "msg_" + secrets.token_hex(12)
 
-    def _message(
-        self, reply: ReplyData, content: list[dict[str, Any]], stop: Any, sequence: str | None
-    ) -> dict[str, Any]:
-        return {
-            "id": reply.id,
-            "type": "message",
-            "role": "assistant",
-            "model": reply.model,
-            "content": content,
-            "stop_reason": stop,
-            "stop_sequence": sequence,
-            "usage": {
-                "input_tokens": reply.prompt_tokens,
-                "output_tokens": reply.completion_tokens,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
-            },
-        }
-
     def reply_json(self, reply: ReplyData) -> bytes:
         blocks = content_blocks(reply.message)
-        message = self._message(reply, blocks, _reply_stop(reply), reply.stop_sequence)
+        message = message_object(reply, blocks, reply_stop(reply), reply.stop_sequence)
         return orjson.dumps(message)
 
     def reply_sse(self, reply: ReplyData) -> bytes:
         """message_start, each block's start/delta/stop, message_delta, message_stop."""
-        start = self._message(reply, [], None, None)
+        start = message_object(reply, [], None, None)
         start["usage"]["output_tokens"] = 0
-        frames = [_frame("message_start", {"message": start})]
+        frames = [frame("message_start", {"message": start})]
         for index, block in enumerate(content_blocks(reply.message)):
-            frames.extend(_block_frames(index, block))
-        delta = {"stop_reason": _reply_stop(reply), "stop_sequence": reply.stop_sequence}
+            frames.extend(block_frames(index, block))
+        delta = {"stop_reason": reply_stop(reply), "stop_sequence": reply.stop_sequence}
         usage = {"output_tokens": reply.completion_tokens}
-        frames.append(_frame("message_delta", {"delta": delta, "usage": usage}))
-        frames.append(_frame("message_stop", {}))
+        frames.append(frame("message_delta", {"delta": delta, "usage": usage}))
+        frames.append(frame("message_stop", {}))
         return b"".join(frames)
 
     def error(
@@ -514,40 +447,14 @@ class MessagesDialect:
         """An `error` event (`api_error`) ends a relayed stream that broke."""
         return assembler.cut() + b"event: error\ndata: " + anthropic_error(502, message) + b"\n\n"
 
+    def stream_writer(self, head: ReplyData, reasoning_keys: Sequence[str]) -> StreamWriter:
+        return MessagesWriter(head)
 
-def _reply_stop(reply: ReplyData) -> str:
-    """The answered `stop_reason`: `stop_sequence` when a stop sequence ended the reply."""
-    if reply.stop_sequence is not None:
-        return "stop_sequence"
-    return stop_reason(reply.finish_reason)
+    def models_listing(self, status: int, body: bytes) -> bytes:
+        return models_listing(status, body)
 
-
-def _frame(kind: str, payload: dict[str, Any]) -> bytes:
-    data = orjson.dumps({"type": kind, **payload})
-    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
-
-
-def _block_frames(index: int, block: dict[str, Any]) -> list[bytes]:
-    kind = block["type"]
-    if kind == "thinking":
-        opening = {"type": "thinking", "thinking": "", "signature": ""}
-        deltas = [{"type": "thinking_delta", "thinking": block["thinking"]}]
-        if block.get("signature"):
-            deltas.append({"type": "signature_delta", "signature": block["signature"]})
-    elif kind == "text":
-        opening, deltas = (
-            {"type": "text", "text": ""},
-            [{"type": "text_delta", "text": block["text"]}],
-        )
-    elif kind == "tool_use":
-        opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-        deltas = [{"type": "input_json_delta", "partial_json": arguments_json(block["input"])}]
-    else:
-        opening, deltas = block, []
-    frames = [_frame("content_block_start", {"index": index, "content_block": opening})]
-    frames += [_frame("content_block_delta", {"index": index, "delta": d}) for d in deltas]
-    frames.append(_frame("content_block_stop", {"index": index}))
-    return frames
+    def prepare(self, request: Request, earlier: Earlier, renders: bool) -> None:
+        """A call stands on its own messages: nothing to prepare."""
 
 
 DIALECT = MessagesDialect()

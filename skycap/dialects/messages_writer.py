@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from skycap.dialects import ReplyData
-from skycap.dialects.messages import DIALECT as MESSAGES
-from skycap.dialects.messages import (
-    _block_frames,
-    _frame,
-    _reply_stop,
+from skycap.dialects.messages_reply import (
     anthropic_error,
+    block_frames,
     content_blocks,
+    frame,
+    message_object,
+    reply_stop,
 )
 
 KEEPALIVE = b'event: ping\ndata: {"type":"ping"}\n\n'
@@ -33,9 +33,9 @@ class MessagesWriter:
         self._done: set[str] = set()  # block types already sent (thinking, text)
 
     def start(self) -> bytes:
-        start = MESSAGES._message(self._head, [], None, None)
+        start = message_object(self._head, [], None, None)
         start["usage"]["output_tokens"] = 0
-        return _frame("message_start", {"message": start})
+        return frame("message_start", {"message": start})
 
     def delta(self, part: str, text: str) -> bytes:
         if not text:
@@ -45,10 +45,10 @@ class MessagesWriter:
         if self._open != kind:
             frames.append(self._close())
             opening = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
-            frames.append(_frame("content_block_start", self._at(content_block=opening)))
+            frames.append(frame("content_block_start", self._at(content_block=opening)))
             self._open = kind
         delta = {"type": f"{kind}_delta", kind: text}
-        frames.append(_frame("content_block_delta", self._at(delta=delta)))
+        frames.append(frame("content_block_delta", self._at(delta=delta)))
         return b"".join(frames)
 
     def reasoning_done(self, message: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
@@ -61,11 +61,11 @@ class MessagesWriter:
             signature = blocks[0].get("signature") if blocks else None
             if signature:
                 delta = {"type": "signature_delta", "signature": signature}
-                frames.append(_frame("content_block_delta", self._at(delta=delta)))
+                frames.append(frame("content_block_delta", self._at(delta=delta)))
             frames.append(self._close())
         elif "thinking" not in self._done:
             for block in blocks:
-                frames.extend(_block_frames(self._index, block))
+                frames.extend(block_frames(self._index, block))
                 self._index += 1
         self._done.add("thinking")
         return b"".join(frames), message
@@ -76,12 +76,12 @@ class MessagesWriter:
             kind = block["type"]
             if kind in self._done or (kind == "redacted_thinking" and "thinking" in self._done):
                 continue
-            frames.extend(_block_frames(self._index, block))
+            frames.extend(block_frames(self._index, block))
             self._index += 1
-        delta = {"stop_reason": _reply_stop(reply), "stop_sequence": reply.stop_sequence}
+        delta = {"stop_reason": reply_stop(reply), "stop_sequence": reply.stop_sequence}
         usage = {"output_tokens": reply.completion_tokens}
-        frames.append(_frame("message_delta", {"delta": delta, "usage": usage}))
-        frames.append(_frame("message_stop", {}))
+        frames.append(frame("message_delta", {"delta": delta, "usage": usage}))
+        frames.append(frame("message_stop", {}))
         return b"".join(frames)
 
     def error(self, status: int, message: str) -> bytes:
@@ -97,8 +97,8 @@ class MessagesWriter:
     def _close(self) -> bytes:
         if self._open is None:
             return b""
-        frame = _frame("content_block_stop", {"index": self._index})
+        stop = frame("content_block_stop", {"index": self._index})
         self._done.add(self._open)
         self._open = None
         self._index += 1
-        return frame
+        return stop

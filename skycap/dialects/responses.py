@@ -15,10 +15,25 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects import ReplyData, Request
-from skycap.dialects.responses_read import read_request, reasoning_token
+from skycap.dialects import (
+    NOT_CAPTURED,
+    STORED_REPLY,
+    Earlier,
+    ReplyData,
+    Request,
+    Route,
+    StreamWriter,
+    UnknownReply,
+)
+from skycap.dialects.responses_read import (
+    check_tool_results,
+    read_request,
+    reasoning_token,
+    with_history,
+)
 from skycap.dialects.responses_reply import new_id, response_object, response_sse, sse_event
 from skycap.dialects.responses_stream import ResponsesAssembler, read_response
+from skycap.dialects.responses_writer import ResponsesWriter
 from skycap.hashing import token_digest
 
 
@@ -35,12 +50,35 @@ def responses_error(
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
+#: Remote compaction is a model call skycap does not run yet: refused, never forwarded.
+COMPACT_REFUSAL = (
+    "POST /v1/responses/compact (remote compaction) is not captured by skycap: the "
+    "compacted history would be an opaque item no one could train on. Let the harness "
+    "compact with ordinary /v1/responses calls (Codex does so with a model provider whose "
+    "base_url is the trajectory's)"
+)
+
+
 class ResponsesDialect:
     """The Responses API as a `Dialect` (see skycap.dialects)."""
 
     name = "responses"
     upstream_path = b"/responses"
     reply_id_key = "response_id"
+    routes = (
+        Route("responses", "POST", "responses", "/v1/responses"),
+        Route(
+            "compact",
+            "POST",
+            "responses/compact",
+            "/v1/responses/compact",
+            NOT_CAPTURED,
+            COMPACT_REFUSAL,
+        ),
+        Route("response-get", "GET", "responses/", "/v1/responses/", STORED_REPLY),
+    )
+    caller_header = None
+    api_host = None
 
     def read(self, body: Any) -> Request:
         return read_request(body)
@@ -98,6 +136,47 @@ class ResponsesDialect:
         failed |= {"status": "failed", "error": {"code": "server_error", "message": message}}
         event = sse_event("response.failed", assembler.sequence + 1, {"response": failed})
         return assembler.cut() + event
+
+    def stream_writer(self, head: ReplyData, reasoning_keys: Sequence[str]) -> StreamWriter:
+        return ResponsesWriter(head)
+
+    def models_listing(self, status: int, body: bytes) -> bytes:
+        return body  # OpenAI's model list is this API's too
+
+    def prepare(self, request: Request, earlier: Earlier, renders: bool) -> None:
+        """Put the history of the response named by `previous_response_id` into
+        `request.messages` (its own `instructions` left out: they do not carry over),
+        then check that every tool result answers a call in the whole history.
+
+        Rendering, `developer` messages become `system` ones (chat templates such as
+        Qwen3's have no developer role and would drop them; the API means both as
+        instructions), are stored so, and the call records `developer_as_system`; and the
+        id must be this trajectory's (a 404, as vLLM and OpenAI answer). Forwarding, the
+        upstream resolves an id this trajectory never saw, and the call is placed by its
+        own input alone.
+        """
+        if renders and any(m.get("role") == "developer" for m in request.messages):
+            request.messages = [
+                {**m, "role": "system"} if m.get("role") == "developer" else m
+                for m in request.messages
+            ]
+            request.recorded["developer_as_system"] = True
+        previous = request.extras.get("previous_response_id")
+        if previous is not None:
+            found = earlier.history(previous)
+            if found is None:
+                if renders:
+                    raise UnknownReply(
+                        f"Previous response with id '{previous}' not found in trajectory "
+                        f"{earlier.trajectory_id}: previous_response_id must name a response "
+                        "answered in the same trajectory",
+                        "previous_response_id",
+                    )
+                return
+            messages, call = found
+            history = messages[1:] if call.get("instructions") else messages
+            request.messages = with_history(request, history)
+        check_tool_results(request.messages)
 
 
 DIALECT = ResponsesDialect()

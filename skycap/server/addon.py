@@ -1,12 +1,13 @@
 """The skycap mitmproxy addon: routes control and harness requests over one trajectory store.
 
 It stays thin (docs/architecture.md): routing, body size and mitmproxy's lifecycle
-hooks live here; the harness routes (gate, retries, the call) in `harness`, control
-answers in `control`, forwarding in `textmode`, trajectories in `store`, proxy
-credentials and pass-through in `proxy`. A call captured through the proxy listener
-(`--proxy-port`) takes the same path as a `/t/{id}/v1` call; only where the trajectory
-id comes from differs. Built either from a ServerOptions (`skycap serve`,
-CaptureService) or, under `mitmdump -s addons/skycap.py`, from the `skycap_*` options.
+hooks live here; the routes in `routes`, the harness routes (gate, retries) in `harness`,
+running calls in the server's call mode (`textmode` or `tokenmode`), control answers in
+`control`, trajectories in `store`, proxy credentials and pass-through in `proxy`. A call
+captured through the proxy listener (`--proxy-port`) takes the same path as a
+`/t/{id}/v1` call; only where the trajectory id comes from differs. Built either from a
+ServerOptions (`skycap serve`, CaptureService) or, under `mitmdump -s addons/skycap.py`,
+from the `skycap_*` options.
 """
 
 from __future__ import annotations
@@ -25,98 +26,57 @@ from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 import skycap.control_token as credential
 from skycap.certs import ensure_ca
-from skycap.dialects import Dialect
-from skycap.dialects.chat import DIALECT as CHAT_DIALECT
-from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
+from skycap.dialects import CALL, NOT_CAPTURED, STORED_REPLY, Dialect, Route
+from skycap.dialects import COUNT_TOKENS as COUNT_TOKENS_ACTION
+from skycap.dialects import MODELS as MODELS_ACTION
 from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
 from skycap.server import options as options_module
+from skycap.server import routes
 from skycap.server.answer import Answer
 from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
 from skycap.server.destinations import Destinations
-from skycap.server.drain import (
-    CONTROL_PATH,
-    HARNESS_PATH,
-    MESSAGES_HARNESS_PATH,
-    DrainSink,
-    too_large_message,
-)
-from skycap.server.harness import HARNESS_LEFT, STREAMED, Harness, harness_error, respond
+from skycap.server.flowstate import FlowState, state_of
+from skycap.server.harness import Harness
+from skycap.server.loopback import Drained, Loopback
+from skycap.server.mode import CallMode, harness_error, respond
 from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.store import TrajectoryStore
-from skycap.server.textmode import CLOSE_AFTER, TextCall, TextMode
+from skycap.server.textmode import TextMode
 from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
 access_log = logging.getLogger("skycap.access")
 
-ROUTE = "skycap.route"
-CALL = "skycap.call"
-PROXIED = "skycap.proxied"
-SENT = "skycap.sent"  # run once a control answer is on the wire (the mirror's hold)
-
-# Route kinds.
+# Route kinds: the control routes and the outcomes of routing, then the harness routes'
+# (`routes.TABLE`), by the names callers match on.
 HEALTH, LIST, CREATE, FINISH, DOCUMENT = "health", "list", "create", "finish", "document"
 RECORD = "record"
-CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "miss", "oversize"
-MESSAGES, COUNT_TOKENS, RESPONSES = "messages", "count-tokens", "responses"
-RESPONSE_GET, COMPACT = "response-get", "compact"  # GET …/v1/responses/{id}; …/compact
+HARNESS_MISS, MISS, OVERSIZE = "harness-miss", "miss", "oversize"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture
-#: Model-call route kinds and the dialect that reads and answers each.
-CALL_DIALECTS: dict[str, Dialect] = {
-    CHAT: CHAT_DIALECT,
-    MESSAGES: MESSAGES_DIALECT,
-    RESPONSES: RESPONSES_DIALECT,
-}
-HARNESS_KINDS = frozenset(
-    {*CALL_DIALECTS, COUNT_TOKENS, RESPONSE_GET, COMPACT, MODELS, HARNESS_MISS}
+CHAT, MESSAGES, COUNT_TOKENS, RESPONSES, COMPACT, RESPONSE_GET = (
+    r.kind for d in routes.DIALECTS for r in d.routes
 )
-#: Remote compaction is a model call skycap does not run yet; refused, never forwarded.
-COMPACT_REFUSAL = (
-    "POST /v1/responses/compact (remote compaction) is not captured by skycap: the "
-    "compacted history would be an opaque item no one could train on. Let the harness "
-    "compact with ordinary /v1/responses calls (Codex does so with a model provider whose "
-    "base_url is the trajectory's)"
-)
+(MODELS,) = (r.kind for r in routes.SHARED)
 WEBSOCKET_REFUSAL = (
     "skycap does not capture the Responses API over WebSocket: use HTTPS (POST "
     "/v1/responses); Codex falls back to it on this answer"
 )
+#: What a route does when text mode sends it on unchanged (its failure is skycap's 502).
+_FORWARDED = frozenset({COUNT_TOKENS_ACTION, MODELS_ACTION, STORED_REPLY})
 # An answer larger than this is dropped once sent (mitmproxy's stream state would keep it).
 LARGE_ANSWER = 1 << 20
 
 
-# Routes that name a trajectory: prefix -> ({(tail, method): kind}, kind of any other tail).
-_NAMED = {
-    "/t/": (
-        {
-            ("v1/chat/completions", "POST"): CHAT,
-            ("v1/messages", "POST"): MESSAGES,
-            ("v1/messages/count_tokens", "POST"): COUNT_TOKENS,
-            ("v1/responses", "POST"): RESPONSES,
-            ("v1/responses/compact", "POST"): COMPACT,
-            ("v1/models", "GET"): MODELS,
-        },
-        HARNESS_MISS,
-    ),
-    "/trajectories/": (
-        {("", "GET"): DOCUMENT, ("finish", "POST"): FINISH, ("record", "GET"): RECORD},
-        MISS,
-    ),
-}
+# The control routes that name a trajectory: {(tail, method): kind}.
+_TRAJECTORY_ROUTES = {("", "GET"): DOCUMENT, ("finish", "POST"): FINISH, ("record", "GET"): RECORD}
 
 
-_ACCESS_TAILS = {
-    CHAT: "chat/completions",
-    MESSAGES: "messages",
-    COUNT_TOKENS: "messages/count_tokens",
-    RESPONSES: "responses",
-    RESPONSE_GET: "responses/{id}",
-    COMPACT: "responses/compact",
-    MODELS: "models",
-}
+def harness_kind(kind: str | None) -> bool:
+    """Whether a route's callers are harnesses (answered in a dialect's shape)."""
+    return kind == HARNESS_MISS or routes.TABLE.route(kind) is not None
 
 
 def route(method: str, path: str) -> tuple[str, str | None]:
@@ -126,13 +86,14 @@ def route(method: str, path: str) -> tuple[str, str | None]:
     (docs/http.md "The HTTP contract, as built").
     """
     path = path.partition("?")[0]
-    for prefix, (kinds, other) in _NAMED.items():
-        if path.startswith(prefix):
-            trajectory_id, _, tail = path[len(prefix) :].partition("/")
-            kind = kinds.get((tail, method))
-            if kind is None and other == HARNESS_MISS and tail.startswith("v1/responses/"):
-                kind = RESPONSE_GET if method == "GET" else None  # a stored response
-            return (other, None) if kind is None else (kind, trajectory_id)
+    if path.startswith("/t/"):
+        trajectory_id, _, tail = path[3:].partition("/")
+        kind = routes.TABLE.named(method, tail)
+        return (HARNESS_MISS, None) if kind is None else (kind, trajectory_id)
+    if path.startswith("/trajectories/"):
+        trajectory_id, _, tail = path[len("/trajectories/") :].partition("/")
+        kind = _TRAJECTORY_ROUTES.get((tail, method))
+        return (MISS, None) if kind is None else (kind, trajectory_id)
     if path == "/healthz" and method == "GET":
         return HEALTH, None
     if path == "/trajectories":
@@ -148,40 +109,22 @@ def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
     model-API host is refused, never forwarded with the harness's key; other hosts pass
     through.
     """
-    path = path.partition("?")[0]
-    if method == "POST":
-        if path.endswith("/chat/completions"):
-            return CHAT
-        if path.endswith("/v1/messages"):
-            return MESSAGES
-        if path.endswith("/v1/messages/count_tokens"):
-            return COUNT_TOKENS
-        if path.endswith("/v1/responses"):
-            return RESPONSES
-        if path.endswith("/v1/responses/compact"):
-            return COMPACT
-    if method == "GET":
-        if path.endswith("/models"):
-            return MODELS
-        if "/v1/responses/" in path:
-            return RESPONSE_GET
+    kind = routes.TABLE.proxied(method, path.partition("?")[0])
+    if kind is not None:
+        return kind
     return REFUSED if model_api_host else PASS
 
 
-def dialect_of(flow: http.HTTPFlow, kind: str) -> Dialect:
-    """The dialect whose error shape a harness-route caller reads.
+def dialect_of(flow: http.HTTPFlow, kind: str | None, host: str = "") -> Dialect:
+    """The dialect whose shapes a harness-route caller reads: see `RouteTable`."""
+    return routes.TABLE.dialect_of(kind, flow.request.headers, host)
 
-    A model call's route names it; on other harness routes (model list, an unknown path),
-    an `anthropic-version` header says the caller is an Anthropic SDK.
-    """
-    dialect = CALL_DIALECTS.get(kind)
-    if dialect is not None:
-        return dialect
-    if kind == COUNT_TOKENS or "anthropic-version" in flow.request.headers:
-        return MESSAGES_DIALECT
-    if kind in (RESPONSE_GET, COMPACT):
-        return RESPONSES_DIALECT
-    return CHAT_DIALECT
+
+def too_large_message(size: int, limit: int) -> str:
+    return (
+        f"the request body of {size} bytes is over the limit of {limit} bytes; send a smaller "
+        "body or start the server with a larger --max-body-size"
+    )
 
 
 def _responses_websocket(flow: http.HTTPFlow) -> bool:
@@ -202,7 +145,7 @@ def _responses_websocket(flow: http.HTTPFlow) -> bool:
 
 def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
     """An error in the shape the route's callers read: the dialect's on harness routes."""
-    if kind in HARNESS_KINDS:
+    if harness_kind(kind):
         harness_error(flow, status, message, None, dialect_of(flow, kind))
     else:
         respond(flow, status, control_error(message))
@@ -238,7 +181,7 @@ class SkycapAddon:
         self.token_file: Path | None = None
         self.options: ServerOptions | None = None
         self.store: TrajectoryStore | None = None
-        self.backend: Any = None
+        self.mode: CallMode | None = None
         self.running_loop: asyncio.AbstractEventLoop | None = None
         self.conns = Connections()
         self.proxy: Proxy | None = None
@@ -249,25 +192,27 @@ class SkycapAddon:
 
     def _build(self, options: ServerOptions) -> None:
         self.options = options
-        release = decode_spans = None
+        #: Where flows whose answer is written over time are re-targeted to.
+        self.loopback = Loopback()
+        mode: CallMode
         if options.mode == "tokens":
-            from skycap.tokens.backend import TokenBackend
+            from skycap.server.tokenmode import TokenMode
 
-            self.backend = TokenBackend.from_options(options)
-            capture = self.backend.capture
-            release, decode_spans = self.backend.release, self.backend.decode_spans
+            mode = TokenMode(options, self.loopback)
         else:
-            capture = {"mode": "text"}
-        self.store = TrajectoryStore(options, capture, release=release, decode_spans=decode_spans)
+            mode = TextMode(options, self.conns, self.loopback)
+        self.mode = mode
+        self.store = TrajectoryStore(
+            options, mode.capture, release=mode.release, decode_spans=mode.decode_spans
+        )
+        mode.attach(self.store)
         if options.proxy_port is not None:
             destinations = Destinations(options.allow_rules, options.deny_rules)
             self.proxy = Proxy(
                 self.store, ensure_ca(options.confdir), destinations, options.model_api_hosts
             )
         self.control = Control(self.store, self.proxy, options.control_token)
-        self.text = TextMode(options, self.store, self.conns) if options.mode == "text" else None
-        self.harness = Harness(options, self.store, self.text, self.backend)
-        self.sink = DrainSink(options.max_body_size)
+        self.harness = Harness(options, self.store, mode)
 
     # -- mitmproxy lifecycle ------------------------------------------------------------------
 
@@ -298,16 +243,11 @@ class SkycapAddon:
             # A proxy listener that failed to bind is reported by whoever started mitmproxy.
             with contextlib.suppress(LookupError):
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
-        await self.sink.start()
-        if self.harness.streams is not None:
-            await self.harness.streams.start()
-        if self.text is not None:
-            await self.text.start()
+        await self.loopback.start()
         self.store.recover()
         self.store.start()
-        if self.backend is not None:
-            await self.backend.start()  # learns the served model name
-        assert self.options is not None
+        assert self.options is not None and self.mode is not None
+        await self.mode.start()
         try:
             port = listen_address(proxyserver, ReverseMode)[1]
         except LookupError:  # the listener failed to bind: whoever started mitmproxy says so
@@ -355,13 +295,9 @@ class SkycapAddon:
         await self.store.shutdown()
         if self.token_file is not None and self.options is not None:
             credential.remove_token_file(self.token_file, self.options.control_token or "")
-        if self.backend is not None:
-            await self.backend.close()
-        if self.text is not None:
-            await self.text.close()
-        await self.sink.close()
-        if self.harness.streams is not None:
-            await self.harness.streams.close()
+        if self.mode is not None:
+            await self.mode.close()
+        await self.loopback.close()
 
     # -- proxy listener --------------------------------------------------------------------------
 
@@ -401,15 +337,13 @@ class SkycapAddon:
             flow.request.method, flow.request.path, self.proxy.model_api_host(flow.request.host)
         )
         if kind == REFUSED:
-            dialect = dialect_of(flow, kind)
-            if flow.request.host == "api.anthropic.com":
-                dialect = MESSAGES_DIALECT
+            dialect = dialect_of(flow, kind, flow.request.host)
             self.proxy.refuse(flow, trajectory_id, dialect)
             return ANSWERED, trajectory_id
         if kind == PASS:
             await self.proxy.pass_through(flow, trajectory_id)
             return (ANSWERED if flow.response is not None else PASS), trajectory_id
-        flow.metadata[PROXIED] = True
+        state_of(flow).proxied = True
         return kind, trajectory_id
 
     # -- request hooks -------------------------------------------------------------------------
@@ -424,51 +358,47 @@ class SkycapAddon:
             kind, trajectory_id = ANSWERED, None
         else:
             kind, trajectory_id = route(flow.request.method, flow.request.path)
-        flow.metadata[ROUTE] = (kind, trajectory_id)
+        state = state_of(flow)
+        state.kind, state.trajectory_id = kind, trajectory_id
         if kind == PASS or kind == ANSWERED:
             return
         length = flow.request.headers.get("content-length")
         assert self.options is not None
         if length and length.isdigit() and int(length) > self.options.max_body_size:
-            flow.metadata[ROUTE] = (OVERSIZE, None)
-            data = flow.request.data
-            data.scheme, data.host, data.port = b"http", "127.0.0.1", self.sink.port
-            if kind not in HARNESS_KINDS:
-                data.path = CONTROL_PATH
-            elif dialect_of(flow, kind) is MESSAGES_DIALECT:
-                data.path = MESSAGES_HARNESS_PATH
+            message = too_large_message(int(length), self.options.max_body_size)
+            if harness_kind(kind):
+                body = dialect_of(flow, kind).error(413, message)
             else:
-                data.path = HARNESS_PATH
+                body = control_error(message)
+            state.kind, state.trajectory_id = OVERSIZE, None
+            self.loopback.retarget(flow, Drained(body), body=True)
             flow.request.stream = True
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        kind, trajectory_id = flow.metadata.get(ROUTE) or route(
-            flow.request.method, flow.request.path
-        )
+        state = state_of(flow)
+        if state.kind is None:
+            state.kind, state.trajectory_id = route(flow.request.method, flow.request.path)
+        kind, trajectory_id = state.kind, state.trajectory_id
         if kind == OVERSIZE or kind == PASS or kind == ANSWERED:
             return
         try:
-            await self._dispatch(flow, kind, trajectory_id)
+            await self._dispatch(flow, state, kind, trajectory_id)
         except Exception as exc:  # answer, never fall through to the reverse target
             logger.warning("%s %s failed: %r", flow.request.method, flow.request.path, exc)
             logger.debug("traceback", exc_info=True)
             _refuse(flow, kind, 500, f"internal error: {type(exc).__name__}: {exc}")
 
-    async def _dispatch(self, flow: http.HTTPFlow, kind: str, trajectory_id: str | None) -> None:
+    async def _dispatch(
+        self, flow: http.HTTPFlow, state: FlowState, kind: str, trajectory_id: str | None
+    ) -> None:
         raw = flow.request.raw_content or b""
         assert self.options is not None
+        harness_route = routes.TABLE.route(kind)
         if len(raw) > self.options.max_body_size:
             _refuse(flow, kind, 413, too_large_message(len(raw), self.options.max_body_size))
-        elif kind in CALL_DIALECTS or kind == MODELS or kind == COUNT_TOKENS:
-            await self._harness(flow, kind, trajectory_id, raw)
-        elif kind == COMPACT:
-            logger.info("refused %s %s: not captured", flow.request.method, flow.request.path)
-            harness_error(flow, 400, COMPACT_REFUSAL, "route_not_captured", RESPONSES_DIALECT)
-        elif kind == RESPONSE_GET:
+        elif harness_route is not None:
             assert trajectory_id is not None
-            proxied = flow.metadata.get(PROXIED, False)
-            response_id = flow.request.path.partition("?")[0].rpartition("/")[2]
-            await self.harness.stored_response(flow, trajectory_id, proxied, response_id)
+            await self._harness(flow, state, harness_route, trajectory_id, raw)
         elif kind == HARNESS_MISS:
             path = flow.request.path.partition("?")[0]
             message = f"no route {flow.request.method} {path}"
@@ -490,23 +420,28 @@ class SkycapAddon:
                     respond(flow, status, body)
                 return
             respond(flow, answer.status, answer.body)
-            if answer.sent is not None:
-                flow.metadata[SENT] = answer.sent
+            state.sent = answer.sent
 
     async def _harness(
-        self, flow: http.HTTPFlow, kind: str, trajectory_id: str | None, raw: bytes
+        self, flow: http.HTTPFlow, state: FlowState, route: Route, trajectory_id: str, raw: bytes
     ) -> None:
-        assert trajectory_id is not None
-        proxied = flow.metadata.get(PROXIED, False)
-        if kind == MODELS:
-            await self.harness.models(flow, trajectory_id, proxied, dialect_of(flow, kind))
-            return
-        if kind == COUNT_TOKENS:
-            await self.harness.count_tokens(flow, trajectory_id, proxied, raw, MESSAGES_DIALECT)
-            return
-        call = await self.harness.call(flow, trajectory_id, proxied, raw, CALL_DIALECTS[kind])
-        if call is not None:
-            flow.metadata[CALL] = call  # the response hooks complete it
+        """A harness route, by what it does (`routes.TABLE`)."""
+        proxied, dialect = state.proxied, dialect_of(flow, route.kind)
+        suffix = b"/" + route.tail.encode()  # where text mode forwards it, after the base URL
+        if route.action == CALL:
+            state.call = await self.harness.call(flow, trajectory_id, proxied, raw, dialect)
+        elif route.action == COUNT_TOKENS_ACTION:
+            await self.harness.count_tokens(flow, trajectory_id, proxied, raw, suffix, dialect)
+        elif route.action == MODELS_ACTION:
+            await self.harness.models(flow, trajectory_id, proxied, suffix, dialect)
+        elif route.action == STORED_REPLY:
+            reply_id = flow.request.path.partition("?")[0].rpartition("/")[2]
+            suffix += reply_id.encode()
+            await self.harness.stored_reply(flow, trajectory_id, proxied, reply_id, suffix, dialect)
+        else:
+            assert route.action == NOT_CAPTURED
+            logger.info("refused %s %s: not captured", flow.request.method, flow.request.path)
+            harness_error(flow, 400, route.refusal, "route_not_captured", dialect)
 
     async def _control(
         self, flow: http.HTTPFlow, kind: str, trajectory_id: str | None, raw: bytes
@@ -538,19 +473,21 @@ class SkycapAddon:
     # -- response hooks (text mode) ------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get(CLOSE_AFTER):
+        state = state_of(flow)
+        if state.close_after:
             flow.response.headers["connection"] = "close"  # mitmproxy then closes it
-        call: TextCall | None = flow.metadata.get(CALL)
-        if call is not None and call.relaying:
-            flow.response.stream = True  # a streamed reply from the relay, passed on as it comes
-        elif flow.metadata.get(ROUTE, (None,))[0] == PASS:
+        if state.call is not None and state.call.relaying:
+            flow.response.stream = True  # a reply relayed from the upstream, passed on as it comes
+        elif state.kind == PASS:
             flow.response.stream = True  # passed through untouched, never buffered
-        elif flow.metadata.get(STREAMED):
+        elif state.streamed:
             flow.response.stream = True  # a token-mode reply, sent as it is generated
             flow.response.headers.pop("connection", None)
 
     def response(self, flow: http.HTTPFlow) -> None:
-        if (sent := flow.metadata.pop(SENT, None)) is not None:
+        state = state_of(flow)
+        if (sent := state.sent) is not None:
+            state.sent = None
             # mitmproxy writes the answer when this hook returns, in the same loop step.
             asyncio.get_running_loop().call_soon(sent)
         _release_request_body(flow)
@@ -560,30 +497,29 @@ class SkycapAddon:
             self._access(flow, flow.response.status_code)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        call: TextCall | None = flow.metadata.get(CALL)
+        state = state_of(flow)
         with _logged(flow, "error"):
-            if call is not None:
-                call.harness_left()
-            elif self.text is not None:
-                kind = flow.metadata.get(ROUTE, (None,))[0]
-                if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):
-                    self.text.on_forward_error(flow, dialect_of(flow, kind))
-            else:
-                flow.metadata[HARNESS_LEFT] = True  # a token-mode call commits marked
-        if (sent := flow.metadata.pop(SENT, None)) is not None:
+            if state.call is not None:
+                state.call.harness_left()
+            elif self.mode is not None:
+                harness_route = routes.TABLE.route(state.kind)
+                forwarded = harness_route is not None and harness_route.action in _FORWARDED
+                self.mode.harness_left(flow, forwarded, dialect_of(flow, state.kind))
+        if (sent := state.sent) is not None:
+            state.sent = None
             sent()  # the caller is gone: nothing left to wait for
         _release_request_body(flow)
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, None)
 
     def _access(self, flow: http.HTTPFlow, status: int | None) -> None:
-        kind, trajectory_id = flow.metadata.get(ROUTE, (None, None))
-        tail = _ACCESS_TAILS.get(kind)
-        if tail is None:
+        state = state_of(flow)
+        harness_route = routes.TABLE.route(state.kind)
+        if harness_route is None:
             return
         elapsed = (time.time() - flow.request.timestamp_start) * 1000.0
         outcome = str(status) if status is not None else f"error ({flow.error})"
-        path = f"/t/{trajectory_id}/v1/{tail}"
-        if flow.metadata.get(PROXIED):
+        path = f"/t/{state.trajectory_id}/v1/{harness_route.access_tail}"
+        if state.proxied:
             path = f"{path} (through the proxy)"
         access_log.info("%s %s %s %.1f ms", flow.request.method, path, outcome, elapsed)

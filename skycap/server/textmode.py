@@ -5,8 +5,8 @@ Model calls (chat, Messages, Responses) go upstream with skycap's own pooled cli
 disconnects does not cancel them: the reply is read to its end and committed,
 marked `harness_saw_end: false`, and settles the retry entry replayable. A non-streamed
 reply is committed before the harness gets it; a streamed one reaches the harness through
-the loopback relay (`relay.py`), holding back the tail from the first chunk that ends the
-reply until it is committed, so a `finish` sent after the stream always finds it. Model
+the loopback (`loopback.UpstreamRelay`), holding back the tail from the first chunk that
+ends the reply until it is committed, so a `finish` sent after the stream always finds it. Model
 lists and token counts are still forwarded by mitmproxy itself (`forward`). Upstream
 failures are recorded on the trajectory; a broken stream leaves the harness with a
 failed, not a short, stream.
@@ -26,10 +26,11 @@ from mitmproxy import http
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
 from skycap.server.conns import Connections, client_connected
+from skycap.server.flowstate import state_of
 from skycap.server.live import Live
+from skycap.server.loopback import Loopback, UpstreamRelay
 from skycap.server.options import ServerOptions
-from skycap.server.relay import BROKEN, END, Stream, StreamRelay
-from skycap.server.retry import Entry, Replay
+from skycap.server.retry import CallKey, Entry, Replay
 from skycap.server.store import TrajectoryStore
 from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
@@ -49,21 +50,30 @@ _DROPPED = frozenset(
     }
 )
 _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
-#: Set on a flow whose harness asked for `Connection: close`: its answer says so and the
-#: connection closes after it (the header itself is hop-by-hop and not forwarded).
-CLOSE_AFTER = "skycap.close_after"
 _EVENT_STREAM = "text/event-stream"
 ANTHROPIC_HOST = "api.anthropic.com"
 #: Response headers that describe one transfer, not the reply: rebuilt for the harness.
 _TRANSFER = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 
 
-class TextMode:
-    """Where text-mode calls go and how they are forwarded (one per server)."""
+NO_UPSTREAM = (
+    "no --upstream-url configured: this server forwards only calls made through its proxy "
+    "port; start it with --upstream-url to take /t/{id}/v1 calls"
+)
 
-    def __init__(self, options: ServerOptions, store: TrajectoryStore, conns: Connections) -> None:
-        self.store = store
+
+class TextMode:
+    """The `CallMode` of a text-mode server: where calls go and how they are forwarded."""
+
+    capture: dict[str, Any] = {"mode": "text"}
+    release = None
+    decode_spans = None
+    renders = False
+
+    def __init__(self, options: ServerOptions, conns: Connections, loopback: Loopback) -> None:
+        self.store: TrajectoryStore = None  # type: ignore[assignment]  # set by attach
         self.conns = conns
+        self.loopback = loopback
         self._key = options.api_key.encode() if options.api_key else None
         self._auth_style = options.upstream_auth
         self.has_upstream = bool(options.upstream_url)
@@ -79,7 +89,6 @@ class TextMode:
             self._added = ((b"host", host_header.encode()), *self._auth(host))
         self.timeout = options.upstream_timeout
         self.client = UpstreamPool(self.timeout)
-        self.relay = StreamRelay()
         self.tasks: set[asyncio.Task[None]] = set()  # calls still running, for close()
 
     def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
@@ -100,7 +109,7 @@ class TextMode:
         if any(
             k.lower() == b"connection" and b"close" in v.lower() for k, v in data.headers.fields
         ):
-            flow.metadata[CLOSE_AFTER] = True
+            state_of(flow).close_after = True  # the answer says so; the connection then closes
         kept = tuple(f for f in data.headers.fields if f[0].lower() not in dropped)
         body = data.content
         length = ((b"content-length", b"%d" % len(body)),) if body else ()
@@ -122,11 +131,45 @@ class TextMode:
             message = f"upstream unavailable: {flow.error.msg}"
             self.conns.respond(flow, 502, dialect.error(502, message))
 
-    # -- model calls: skycap's own client (http.md §5: a disconnect does not cancel them) ----
+    def attach(self, store: TrajectoryStore) -> None:
+        self.store = store
+
+    def describe(self) -> None:
+        return None  # the start line already names the upstream
+
+    def refusal(self, proxied: bool) -> str | None:
+        """Without an upstream URL only calls through the proxy listener can be forwarded."""
+        return None if self.has_upstream or proxied else NO_UPSTREAM
+
+    async def models(
+        self, flow: http.HTTPFlow, live: Live, suffix: bytes, dialect: Dialect
+    ) -> None:
+        self.forward(flow, suffix)
+
+    async def count_tokens(
+        self, flow: http.HTTPFlow, live: Live, request: Request, suffix: bytes, dialect: Dialect
+    ) -> None:
+        self.forward(flow, suffix)
+
+    async def stored_reply(
+        self, flow: http.HTTPFlow, live: Live, reply_id: str, suffix: bytes, dialect: Dialect
+    ) -> None:
+        self.forward(flow, suffix)
+
+    def join_running(
+        self, flow: http.HTTPFlow, live: Live, key: CallKey, request: Request, dialect: Dialect
+    ) -> bool:
+        """A retry of a call still running waits for its original in the retry cache."""
+        return False
+
+    def harness_left(self, flow: http.HTTPFlow, forwarded: bool, dialect: Dialect) -> None:
+        if forwarded:
+            self.on_forward_error(flow, dialect)
+
+    # -- model calls: skycap's own client (a disconnect does not cancel them) ----------------
 
     async def start(self) -> None:
-        """On mitmproxy's loop: the stream relay."""
-        await self.relay.start()
+        """Nothing to start: the loopback is the addon's."""
 
     async def close(self) -> None:
         """After the store's shutdown: end the calls still running, then the connections."""
@@ -134,7 +177,6 @@ class TextMode:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.client.close()
-        await self.relay.close()
 
     async def call(
         self, flow: http.HTTPFlow, live: Live, request: Request, entry: Entry, dialect: Dialect
@@ -142,7 +184,7 @@ class TextMode:
         """Run one model call as skycap's own task; return once the harness can be answered.
 
         The flow is then answered (a complete reply or skycap's error), re-targeted to the
-        stream relay (a streamed reply, still arriving), or dropped (the trajectory was sealed).
+        loopback (a streamed reply, still arriving), or dropped (the trajectory was sealed).
         """
         self.forward(flow, dialect.upstream_path)
         call = TextCall(self, flow, live, request, entry, dialect)
@@ -201,9 +243,9 @@ class TextCall:
         self.dialect = dialect
         self.t_start = time.time()
         loop = asyncio.get_running_loop()
-        #: What the harness's flow does next: an answer, a relay path, or None (drop it).
-        self.ready: asyncio.Future[http.Response | bytes | None] = loop.create_future()
-        self.stream: Stream | None = None
+        #: What the harness's flow does next: an answer, a relay, or None (drop it).
+        self.ready: asyncio.Future[http.Response | UpstreamRelay | None] = loop.create_future()
+        self.stream: UpstreamRelay | None = None
         self.assembler: Any = None
         self.held: list[bytes] = []
         self.body: list[bytes] = []
@@ -234,12 +276,8 @@ class TextCall:
         if outcome is None:
             if flow.killable:
                 flow.kill()
-        elif isinstance(outcome, bytes):
-            data = flow.request.data
-            data.scheme, data.host, data.port = b"http", "127.0.0.1", self.mode.relay.port
-            data.path = outcome
-            data.content = b""
-            data.headers.fields = ((b"host", b"127.0.0.1"), (b"content-length", b"0"))
+        elif isinstance(outcome, UpstreamRelay):
+            self.relay_path = self.mode.loopback.retarget(flow, outcome)
         else:
             flow.response = outcome
 
@@ -248,7 +286,7 @@ class TextCall:
         if not self.gone:
             self.gone = True
             if self.stream is not None:
-                self.mode.relay.forget(self.relay_path)
+                self.mode.loopback.forget(self.relay_path)
 
     # -- outcome -----------------------------------------------------------------------------
 
@@ -272,11 +310,11 @@ class TextCall:
         if not self.ready.done():
             self.ready.set_result(None)
         elif self.stream is not None:
-            self.stream.chunks.put_nowait(BROKEN)
+            self.stream.chunks.put_nowait(UpstreamRelay.BROKEN)
         elif (flow := self._flow()) is not None:
             self.mode.conns.drop(flow)
 
-    def _answer(self, response: http.Response | bytes | None) -> None:
+    def _answer(self, response: http.Response | UpstreamRelay | None) -> None:
         if not self.ready.done():
             self.ready.set_result(response)
 
@@ -334,7 +372,7 @@ class TextCall:
                 and head.status_code == 200
                 and head.headers.get("content-type", "").startswith(_EVENT_STREAM)
             ):
-                await self._relay(exchange)
+                await self._relay_upstream(exchange)
             else:
                 body = b"".join([chunk async for chunk in exchange.chunks()])
                 self._complete_reply(head, body)
@@ -362,7 +400,7 @@ class TextCall:
             self._fail(None, error)
             self._end()
             self._send(failure)
-            self.stream.chunks.put_nowait(END)
+            self.stream.chunks.put_nowait(UpstreamRelay.END)
             return
         self._fail(None, f"upstream: {detail}")
         self._end()
@@ -399,17 +437,16 @@ class TextCall:
 
     # -- streamed replies (http.md §3.1) --------------------------------------------------------
 
-    async def _relay(self, exchange: Exchange) -> None:
+    async def _relay_upstream(self, exchange: Exchange) -> None:
         """Pass chunks on, hold back the tail from the first `finish_reason`, commit, release.
 
-        The harness's flow is re-targeted to the relay as soon as the headers are here;
+        The harness's flow is re-targeted to the loopback as soon as the headers are here;
         the body is read to its end even when the harness has gone.
         """
         fields = [f for f in exchange.response.headers.fields if f[0].lower() != b"cache-control"]
         fields.append((b"cache-control", b"no-cache"))
-        self.stream = Stream(200, fields)
-        self.relay_path = self.mode.relay.register(self.stream)
-        self._answer(self.relay_path)
+        self.stream = UpstreamRelay(200, fields)
+        self._answer(self.stream)
         assembler = self.assembler = self.dialect.assembler()
         chunks = exchange.chunks()
         async for chunk in chunks:
@@ -464,7 +501,7 @@ class TextCall:
         if failure:
             self._send(failure)
         assert self.stream is not None
-        self.stream.chunks.put_nowait(END)
+        self.stream.chunks.put_nowait(UpstreamRelay.END)
 
 
 def _text(response: http.Response) -> str:
