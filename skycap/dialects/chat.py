@@ -280,6 +280,8 @@ class ChatDialect:
     name = "chat"
     upstream_path = b"/chat/completions"
     reply_id_key = None
+    #: OpenAI and vLLM answer a call that forced a named tool with "stop", not "tool_calls".
+    forced_tool_finish = "stop"
 
     def read(self, body: Any) -> Request:
         body = check_chat_request(body)

@@ -413,6 +413,7 @@ class MessagesDialect:
     name = "messages"
     upstream_path = b"/messages"
     reply_id_key = None
+    forced_tool_finish = "tool_calls"
 
     def read(self, body: Any) -> Request:
         return read_request(body)

@@ -41,6 +41,7 @@ class ResponsesDialect:
     name = "responses"
     upstream_path = b"/responses"
     reply_id_key = "response_id"
+    forced_tool_finish = "tool_calls"
 
     def read(self, body: Any) -> Request:
         return read_request(body)
