@@ -1,6 +1,6 @@
 """A new engine wire is one module: a toy engine that speaks its own generate shape, chosen
 with `--engine-wire`, serves a real token-mode server to the openai SDK (docs/tokens.md,
-"Another engine").
+"Engines and renderers").
 
 `ToyWire` below is the whole of the new wire: its request, its whole and streamed reply
 shapes, its session header, abort route and model list. `ToyEngine` is the small scripted

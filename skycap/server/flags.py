@@ -21,7 +21,7 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--logprobs-mode MODE` | `logprobs_mode` | `skycap_logprobs_mode` |
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
 | `--keep-special-tokens` | `keep_special_tokens` | `skycap_keep_special_tokens` |
-| `--engine-wire WIRE` (`vllm` or `MODULE:CLASS`) | `engine` (the engine wire object) | `skycap_engine_wire` |
+| `--engine-wire WIRE` (`vllm`, `MODULE:CLASS`) | `engine` (a wire object) | `skycap_engine_wire` |
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
 | `--upstream-auth {bearer,x-api-key}` | `upstream_auth` (D-37) | `skycap_upstream_auth` |

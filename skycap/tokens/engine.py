@@ -3,9 +3,10 @@
 `EngineWire` is the protocol: the generate request body, the reply and stream-chunk
 readers, the session header, the abort and release requests and the served-model lookup.
 `VLLMEngine` speaks vLLM's `/inference/v1/generate` and is the default; another engine is
-one module with a class of its own, chosen with `--engine-wire MODULE:CLASS` (docs/tokens.md,
-"Another engine"). No HTTP happens here: skycap.tokens.client moves the bytes the wire
-names, and the turn hands the decoded replies back to it (http.md §9.3, §10, §11).
+one module with a class of its own, chosen with `--engine-wire MODULE:CLASS`
+(docs/tokens.md, "Engines and renderers"). No HTTP happens here: skycap.tokens.client
+moves the bytes the wire names, and the turn hands the decoded replies back to it
+(http.md §9.3, §10, §11).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ streamed through the relay), check and parse the completion, build the call reco
 commit, and answer in the call's dialect, streamed or whole.
 
 Every step raises TurnError, which says nothing of a dialect; TokenBackend.call writes it
-as the caller's error body. An engine failure is recorded on the trajectory first (D-14).
+as the caller's error body. An engine failure is recorded on the trajectory's failures first.
 Renderer work runs on the renderer pool's threads; the commit runs on the event loop. The
 caller holds the trajectory's turn lock.
 """
@@ -52,9 +52,10 @@ MASK_FLAG = "--return-sampling-mask"
 
 @dataclass
 class TrajectoryState:
-    """Per-trajectory turn state, in memory only: the turn lock, the experts layout (D-18),
-    the last committed turn's token lists for the next plan (D-27), and the replies a
-    dialect with reply ids answered, for `GET …/v1/responses/{id}` (D-40)."""
+    """Per-trajectory turn state, in memory only: the turn lock, the experts layout every
+    call of the trajectory shares, the last committed turn's token lists for the next plan
+    to extend, and the replies a dialect with reply ids answered, for
+    `GET …/v1/responses/{id}`."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     experts_shape: tuple[int, ...] | None = None
@@ -83,7 +84,7 @@ class TokenTurn:
         self.state = state
         self.relay = relay
         self.harness_present = harness_present
-        # A dialect whose tools a template cannot all express renders fewer (D-29).
+        # A dialect whose tools a template cannot all express renders fewer.
         extras = request.extras
         self.tools: list[Any] | None = (
             extras["token_tools"] if "token_tools" in extras else request.tools
@@ -166,7 +167,7 @@ class TokenTurn:
             reasoning_tokens=think,
         )
         if status == "ok" and dialect.reply_id_key is not None:
-            self.state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id} (D-40)
+            self.state.replies[reply_id] = dialect.reply_json(data)  # GET …/{reply id}
         reply = self.answer(data, status)
         committed = call if status == "ok" else None
         if relay is not None:
@@ -176,7 +177,7 @@ class TokenTurn:
     # -- before inference ---------------------------------------------------------------
 
     async def plan(self, model: str) -> Plan:
-        """The prompt, bridged from the last turn where it can be (D-27); a 400 if it cannot."""
+        """The prompt, bridged from the last turn where it can be; a 400 if it cannot."""
         graph, messages, tools = self.trajectory.graph, self.request.messages, self.tools
         key, last_turn = tools_hash(tools), self.state.last_turn
         try:
@@ -216,7 +217,7 @@ class TokenTurn:
         """(effective sampling, engine request body) (http.md §9.3-9.4).
 
         The model's generation defaults fill what the caller left out, then the overrides
-        win (D-41). What vLLM would refuse answers 400 naming the field.
+        win. What vLLM would refuse answers 400 naming the field.
         """
         settings, request = self.settings, self.request
         caller = dict(request.sampling)
@@ -307,7 +308,7 @@ class TokenTurn:
     async def cut_at_stop(
         self, output: EngineOutput, sampling: Mapping[str, Any], plan: Plan
     ) -> StopMatch | None:
-        """Cut the completion at the first stop string (D-41), in place; the match or None.
+        """Cut the completion at the first stop string, in place; the match or None.
 
         Every dialect's stop strings arrive as the canonical `stop` (Chat Completions
         `stop`, Anthropic `stop_sequences`).
@@ -408,7 +409,7 @@ def reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> in
 
 
 def _measured(output: EngineOutput, stop: StopMatch | None) -> dict[str, Any]:
-    """The call fields recorded only when they apply (D-41)."""
+    """The call fields recorded only when they apply."""
     extras: dict[str, Any] = {}
     if stop is not None:
         extras["stop_string"] = stop.stop
