@@ -10,7 +10,6 @@ event loop; the HTTP calls to the engine are skycap.tokens.client's.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +26,6 @@ from skycap.tokens.settings import TokenSettings
 from skycap.tokens.streaming import ReplyStream
 from skycap.tokens.turn import TokenTurn, TrajectoryState
 from skycap.trajectory import Trajectory
-
-logger = logging.getLogger(__name__)
 
 
 class TokenBackend:
