@@ -8,13 +8,13 @@
 `connection_strategy=lazy` is required (skycap answers control routes and refusals
 itself; with `eager` a down upstream closes the client before any hook runs).
 `keep_host_header=true` lets `POST /trajectories` build `base_url` from the Host header
-the trainer used (D-9); without it the listening address is used. `skycap_upstream_url`
-decides where harness calls go (D-8); the `--mode reverse:` target only carries the
+the trainer used; without it the listening address is used. `skycap_upstream_url`
+decides where harness calls go; the `--mode reverse:` target only carries the
 listener. Every `skycap serve` flag has a `skycap_<flag>` option (`--set
 skycap_mode=tokens`, `--set skycap_ttl=600`, `--set skycap_path_rule=best=pkg.mod:fn`,
 ...) except `--host`/`--port`, which are mitmproxy's `--listen-host`/`--listen-port`;
 see skycap/server/options.py for the table. Do not set `body_size_limit` (it answers
-before skycap can, D-10); use `skycap_max_body_size`. `skycap serve` runs the same
+before skycap can); use `skycap_max_body_size`. `skycap serve` runs the same
 addon with a leaner mitmproxy and is faster.
 
 HTTPS_PROXY capture (docs/proxy.md) adds a forward-proxy listener with mitmproxy's own

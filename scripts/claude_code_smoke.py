@@ -173,7 +173,7 @@ SLOW_KEEPALIVE = 0.25
 def claude_env(
     created: dict[str, Any], route: str, home: Path, idle_ms: int | None = None
 ) -> dict[str, str]:
-    """A hermetic environment for Claude Code on `route` (D-48); `idle_ms` turns on its
+    """A hermetic environment for Claude Code on `route`; `idle_ms` turns on its
     stream watchdog with that idle timeout (its own environment variables)."""
     keep = ("PATH", "LANG", "LC_ALL", "TERM")
     env = {k: v for k, v in os.environ.items() if k in keep}
@@ -189,7 +189,7 @@ def claude_env(
         env["ANTHROPIC_API_KEY"] = created["api_key"]
     else:
         env |= created["env"]
-        env["ANTHROPIC_API_KEY"] = "sk-ant-harness-own-key"  # never forwarded (D-37)
+        env["ANTHROPIC_API_KEY"] = "sk-ant-harness-own-key"  # never forwarded
     if idle_ms is not None:
         env["CLAUDE_ENABLE_STREAM_WATCHDOG"] = "1"
         env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(idle_ms)

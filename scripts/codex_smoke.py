@@ -91,7 +91,7 @@ def run_codex(
     config: tuple[str, ...] = (),
     timeout: float = 180.0,
 ) -> subprocess.CompletedProcess[str]:
-    """`codex exec` on TASK, hermetic (D-48); `env` (the create's) is added to its environment."""
+    """`codex exec` on TASK, hermetic; `env` (the create's) is added to its environment."""
     home = workdir / "home"
     codex_dir = home / ".codex"  # --ignore-user-config: no config.toml is read from it
     codex_dir.mkdir(parents=True, exist_ok=True)

@@ -512,7 +512,7 @@ def main() -> int:
             asyncio.run(soak(args, server, upstream, disk, stats, samples))
             upstream.clear_faults()
             code, stderr = server.stop()
-            # A supervisor whose worker died exits 1 (D-47); its restart must exit 0.
+            # A supervisor whose worker died exits 1; its restart must exit 0.
             good = code == (1 if args.workers and server.kills else 0)
             if stats.deferred and isinstance(server, Workers):
                 print(f"  supervisor: {server.recover().rstrip()}")

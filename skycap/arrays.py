@@ -1,4 +1,4 @@
-"""Numpy arrays on the JSON wire: the array envelope and CSR rows (graph.md §11)."""
+"""Numpy arrays on the JSON wire: the array envelope and CSR rows (graph.md §5)."""
 
 from __future__ import annotations
 

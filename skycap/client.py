@@ -35,7 +35,7 @@ logger = logging.getLogger("skycap.client")
 
 
 class CaptureError(Exception):
-    """A server answered non-200 or badly, or was unreachable (then status is None, D-22)."""
+    """A server answered non-200 or badly, or was unreachable (then status is None)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -110,7 +110,8 @@ class Media:
 
 @dataclass
 class Sample:
-    """One training row; token fields are None for text-mode samples (types per D-21)."""
+    """One training row; token fields are None for text-mode samples (plain lists, numpy only for
+    routed experts)."""
 
     leaf: int
     path: list[int]
@@ -125,7 +126,7 @@ class Sample:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Sample:
-        """Decode the finish wire (graph.md §11): envelopes into arrays, CSR into row lists."""
+        """Decode the finish wire (graph.md §5): envelopes into arrays, CSR into row lists."""
         if not isinstance(obj, Mapping):
             raise ValueError(f"invalid sample: expected an object, got {type(obj).__name__}")
         input_ids = _field(obj, "input_ids", list, optional=True)
@@ -278,12 +279,12 @@ class Trajectory:
 class CapturePool:
     """Round-robin client for capture servers; one httpx client at a time, bound to its loop.
 
-    Control calls carry the servers' control token (D-30): `control_token` when given, else
+    Control calls carry the servers' control token: `control_token` when given, else
     for each server the one `skycap.control_token.find_control_token` finds (a CaptureService
     in this process, `SKYCAP_CONTROL_TOKEN`, or the file `skycap serve` wrote on this machine).
 
     The pool remembers which trajectories it created on each server and has not finished
-    (`open_trajectories()`), so when a server dies its losses can be named by id (D-47).
+    (`open_trajectories()`), so when a server dies its losses can be named by id.
     """
 
     def __init__(
@@ -338,7 +339,7 @@ class CapturePool:
     async def trajectory(
         self, meta: Mapping[str, Any] | None = None, *, paths: str = "all"
     ) -> AsyncIterator[Trajectory]:
-        """Create a trajectory and make sure it is finished however the block ends (§4).
+        """Create a trajectory and make sure it is finished however the block ends.
 
         A leftover finish repeats the last attempted one's paths too, so it cannot trip the
         server's "already finished with paths=…" 409 after a recorded rule.

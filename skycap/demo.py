@@ -221,7 +221,7 @@ class DemoSetup:
 
 
 def choose_setup(mode: str, record_dir: Path) -> DemoSetup:
-    """Token mode on the bundled Qwen3 tokenizer when available (D-5), else text mode."""
+    """Token mode on the bundled Qwen3 tokenizer when available, else text mode."""
     from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
     qwen = bundled_qwen3_dir()

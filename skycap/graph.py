@@ -1,4 +1,5 @@
-"""The context graph: one node per message in a forest, deduplicated by delta hash (graph.md §1-§5).
+"""The context graph: one node per message in a forest, deduplicated by delta hash
+(graph.md §1, §2, §3).
 
 The graph knows nothing of HTTP, modes or records. Callers compute hashes (skycap.hashing)
 and token payloads; the graph places nodes, keeps the chosen sibling per match hash, walks
@@ -25,7 +26,7 @@ class Tokens:
     scaffold positions. `mask_offsets` is None when no sampling mask was captured; rows are
     the node's sampled positions, in CSR form. `text`/`text_offsets` are filled when the
     record is written (or read back); `experts_placeholder` marks a last expert row that
-    is a copy (memory only, D-18).
+    is a copy (memory only).
     """
 
     ids: np.ndarray
@@ -95,7 +96,7 @@ class Graph:
         self._by_delta: dict[tuple[int | None, str], int] = {}
         self._by_match: dict[tuple[int | None, str], list[int]] = {}
         self._chosen: dict[tuple[int | None, str], int] = {}
-        # Token-mode respellings: (parent, request match hash) -> node (memory only, §7.1).
+        # Token-mode respellings: (parent, request match hash) -> node (memory only).
         self.aliases: dict[tuple[int | None, str], int] = {}
 
     def __len__(self) -> int:
@@ -171,7 +172,7 @@ class Graph:
         return found
 
     def walk(self, hashes: Sequence[str], start: int | None = None) -> list[int]:
-        """The deepest matching prefix of `hashes` from `start` (graph.md §5), as node ids.
+        """The deepest matching prefix of `hashes` from `start` (graph.md §1), as node ids.
 
         Straight runs (one candidate) are followed in a loop; only real ties recurse, so
         long conversations cost O(length) and do not hit the recursion limit.
@@ -226,7 +227,7 @@ class Graph:
             yield from node.calls
 
     def node_json(self, node: Node) -> dict[str, Any]:
-        """The node's document fields without `tokens` (format.md §7 order)."""
+        """The node's document fields without `tokens` (format.md §4 order)."""
         return {
             "id": node.id,
             "parent": node.parent,

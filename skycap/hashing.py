@@ -1,4 +1,4 @@
-"""Canonical JSON and the digests that name messages, tools and nodes (graph.md §2-§3).
+"""Canonical JSON and the digests that name messages, tools and nodes (graph.md §2, §3).
 
 These values are stored in records and compared across tools, so every recipe here is
 pinned by test vectors: change nothing without changing the format version.

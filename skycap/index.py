@@ -5,7 +5,7 @@
     index.log_step(step, "train", trained_ids, runner.record_log)
     index.close()
 
-`log_step` builds the step's `step.json` (format.md §17: one row per attempt the rollout
+`log_step` builds the step's `step.json` (docs/index.md "step.json": one row per attempt the rollout
 loop opened, `trained` as the trainer says) on the caller's thread, so a bug in it raises
 there, and writes it to `<record dir>/index/<phase>/step-<N>.json`. Everything that talks
 to remote services runs on background workers that fail open: one for W&B (one artifact
@@ -56,7 +56,8 @@ def artifact_name(phase: str, run_id: str) -> str:
 
 
 def step_path(phase: str, step: int) -> str:
-    """Where a step's index lives inside a record directory or a mirror (format.md §17)."""
+    """Where a step's index lives inside a record directory or a mirror
+    (docs/index.md "step.json")."""
     return f"index/{phase}/step-{step}.json"
 
 

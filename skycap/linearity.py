@@ -1,4 +1,4 @@
-"""Fork and cause analysis of a record document: why a trajectory is not linear (graph.md §12).
+"""Fork and cause analysis of a record document: why a trajectory is not linear (graph.md §6).
 
 It reads the document dict only (never sidecars), so `skycap check`, the viewer and the demo
 share one explanation of every fork.
@@ -18,7 +18,7 @@ EDITED_REPLY = "edited reply"
 RE_RENDERED = "re-rendered"
 DIFFERENT_MESSAGE = "different message"
 TOOLS_OR_MODEL = "tools or model"
-# Summary order for causes with equal counts: the order graph.md §12.3 explains them in.
+# Summary order for causes with equal counts: the order graph.md §6 explains them in.
 CAUSES = (RESAMPLE, EDITED_REPLY, RE_RENDERED, DIFFERENT_MESSAGE, TOOLS_OR_MODEL)
 
 
@@ -58,11 +58,11 @@ class Linearity:
     @property
     def shape(self) -> str:
         if self.paths == 0:
-            return "empty: no model call captured"  # D-39
+            return "empty: no model call captured"  # linear all the same: check exits 0
         return "linear" if self.paths == 1 else f"{self.paths} paths"
 
     def lines(self) -> list[str]:
-        """The report lines of graph.md §12.4 for this trajectory."""
+        """The report lines of graph.md §6 for this trajectory."""
         out = [f"{self.id}  {self.status}  {self.shape}"]
         out += [f"  {fork.line()}" for fork in self.forks]
         if self.unbridged_calls:
@@ -165,7 +165,7 @@ def _nodes(document: Mapping[str, Any]) -> list[_Node]:
 
 
 def _closest_earlier_sibling(new: _Node, earlier: Sequence[_Node]) -> _Node:
-    """Rules 1-4 of graph.md §12.2; `earlier` is non-empty and in id order."""
+    """Rules 1-4 of graph.md §6; `earlier` is non-empty and in id order."""
     same_match = [s for s in earlier if s.match_hash == new.match_hash]
     if same_match:
         return max(same_match, key=lambda s: (s.is_model, s.id))
@@ -185,7 +185,7 @@ def _closest_earlier_sibling(new: _Node, earlier: Sequence[_Node]) -> _Node:
 
 
 def _explain(new: _Node, s: _Node) -> tuple[str, str]:
-    """(cause, detail) for fork `new` against its closest earlier sibling `s` (§12.3)."""
+    """(cause, detail) for fork `new` against its closest earlier sibling `s` (graph.md §6)."""
     same_match = s.match_hash == new.match_hash
     if new.is_model:
         if same_match and s.is_model:

@@ -1,4 +1,4 @@
-"""`skycap.load`: read a record back as a trajectory and the samples its finish returned (D-23)."""
+"""`skycap.load`: read a record back as a trajectory and the samples its finish returned."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A real RL step runs its rollouts on many nodes, and one capture server is one event loop.
 `CaptureServers.start(n)` starts `n` actors, each running a `CaptureService` in its own
 worker process, bound to its node's address, with a node-local record directory and the
-one control token all servers share (D-47, D-30). Nothing routes between them: each
+one control token all servers share. Nothing routes between them: each
 trajectory's URL names its server, and the pools from `.pool()` create round-robin.
 
 An actor that dies takes the trajectories it held with it; the watcher thread reports their
@@ -30,7 +30,7 @@ try:
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-except ImportError as exc:  # D-33: name the extra
+except ImportError as exc:  # name the extra
     raise ImportError(
         "skycap.ray needs Ray: install the extra with `pip install 'skycap[ray]'` or "
         "`uv sync --extra ray`"

@@ -1,4 +1,4 @@
-"""Path rules, training rows, per-sample arrays and their finish-wire encoding (graph.md §9-§11)."""
+"""Path rules, training rows, per-sample arrays and their finish-wire encoding (graph.md §4, §5)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def resolve_rule(spec: str) -> PathRule:
 def parse_rule_option(text: str) -> tuple[str, str]:
     """`--path-rule [NAME=]module:function` → (name, import path); split on the last `=`.
 
-    Without `NAME=` the rule is named by its import path (graph.md §9).
+    Without `NAME=` the rule is named by its import path (graph.md §4).
     """
     name, sep, spec = text.rpartition("=")
     return (name, spec) if sep else (spec, spec)
@@ -156,7 +156,7 @@ def _id_list(value: Any, graph: Graph, what: str) -> tuple[int, ...]:
 
 
 def validate_rows(graph: Graph, returned: Any) -> list[Row]:
-    """Check a custom rule's `(path, targets)` pairs against every rule of graph.md §9."""
+    """Check a custom rule's `(path, targets)` pairs against every rule of graph.md §4."""
     if isinstance(returned, (str, bytes, Mapping)) or not isinstance(returned, Iterable):
         raise TypeError(
             f"the rule returned {type(returned).__name__}, not a list of (path, targets) pairs"
@@ -215,7 +215,7 @@ def rows_for_finish(graph: Graph, name: str, rules: Mapping[str, PathRule]) -> l
         raise PathRuleFailed(name, exc) from exc
 
 
-# -- the recorded form (format.md §13) -------------------------------------------------------
+# -- the recorded form (format.md §4) -------------------------------------------------------
 
 
 def samples_field(name: str, rows: Sequence[Row]) -> dict[str, Any]:
@@ -241,7 +241,7 @@ def rows_from_samples_field(graph: Graph, recorded: Mapping[str, Any]) -> list[R
     return rows
 
 
-# -- per-sample arrays (graph.md §10) --------------------------------------------------------
+# -- per-sample arrays (graph.md §5) --------------------------------------------------------
 
 
 @dataclass(slots=True, eq=False)
@@ -249,7 +249,7 @@ class BuiltSample:
     """One sample with numpy arrays; `input_ids is None` means a text-only sample.
 
     `sampling_mask` is CSR `(ids int32, offsets int64)` with one row per position.
-    `media` is always empty: images are not captured yet (D-3).
+    `media` is always empty: images are not captured yet.
     """
 
     leaf: int
@@ -293,7 +293,7 @@ def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> B
             sample.loss_mask[start + tok.sampled_start : end] = 1
     # NaN marks "no logprob" in records; samples carry 0.0 there (and never a non-finite value,
     # which JSON cannot carry). A sampled token the engine gave no logprob (vLLM's -9999.0
-    # sentinel, D-41) is not trained on: its loss mask is 0, so no importance ratio uses it.
+    # sentinel) is not trained on: its loss mask is 0, so no importance ratio uses it.
     missing = ~np.isfinite(sample.logprobs)
     sample.loss_mask[missing] = 0
     sample.logprobs[missing] = 0.0
@@ -359,7 +359,7 @@ def build_samples(graph: Graph, rows: Sequence[Row]) -> list[BuiltSample]:
 
 
 def encode_sample(sample: BuiltSample) -> dict[str, Any]:
-    """The finish-wire object (graph.md §11); text-only samples carry only the first four keys."""
+    """The finish-wire object (graph.md §5); text-only samples carry only the first four keys."""
     out: dict[str, Any] = {
         "leaf": sample.leaf,
         "path": list(sample.path),

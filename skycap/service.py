@@ -2,7 +2,7 @@
 
 A trainer that creates a new event loop per batch is unaffected: the server runs on a
 daemon thread named `skycap` with a loop of its own. It is built from the same
-`ServerOptions` as `skycap serve` (D-20). mitmproxy's context is process-global, so only
+`ServerOptions` as `skycap serve`. mitmproxy's context is process-global, so only
 one service may run per process at a time; stop it, then another may start.
 """
 
@@ -27,7 +27,7 @@ DEFAULT_START_TIMEOUT = 60.0
 
 
 class RecordsLost(RuntimeError):
-    """`stop()` could not write these trajectories' records (D-44); `ids` names them.
+    """`stop()` could not write these trajectories' records; `ids` names them.
 
     Their crash journals stay in `<record dir>/.journal`, so the next server started on
     the same record directory rebuilds them.
@@ -149,7 +149,7 @@ class CaptureService:
 
     @property
     def control_token(self) -> str | None:
-        """The token control routes require (D-30), kept in memory; None when turned off.
+        """The token control routes require, kept in memory; None when turned off.
 
         A `CapturePool([service.url])` in this process finds it by URL; `pool()` hands over
         a pool that already holds it.

@@ -1,4 +1,4 @@
-"""A trajectory: its graph, status, meta, annotations, failures and retries (format.md §5, §12).
+"""A trajectory: its graph, status, meta, annotations, failures and retries (format.md §4, §7).
 
 This is plain state with the lifecycle rules; the server decides when to call them and
 the record writer serialises what `document()` returns.
@@ -34,7 +34,7 @@ def is_trajectory_id(value: str) -> bool:
 
 
 class AnnotationConflict(ValueError):
-    """A finish on an ended trajectory that would add or change an annotation (D-13)."""
+    """A finish on an ended trajectory that would add or change an annotation."""
 
 
 class Trajectory:
@@ -104,7 +104,7 @@ class Trajectory:
 
     def merge_annotations(self, annotations: dict[str, Any]) -> None:
         """Merge a finish's annotations. Once ended, new keys may be added (a reward for a
-        rollout the TTL abandoned) but an existing value never changes (D-13)."""
+        rollout the TTL abandoned) but an existing value never changes."""
         if self.ended:
             for key, value in annotations.items():
                 if key in self.annotations and self.annotations[key] != value:
@@ -118,10 +118,10 @@ class Trajectory:
         return sum(1 for call in self.graph.calls() if call.get("bridged") is False)
 
     def document(self, *, live: bool = False) -> dict[str, Any]:
-        """The document fields of format.md §5, without `format_version` and `sidecars`.
+        """The document fields of format.md §4, without `format_version` and `sidecars`.
 
         With `live`, nodes carry no `tokens` key, as `GET /trajectories/{id}` serves an
-        in-memory trajectory (http.md §2.4); the record writer adds each node's `tokens`.
+        in-memory trajectory (http.md §2.2); the record writer adds each node's `tokens`.
         """
         nodes = []
         for node in self.graph:

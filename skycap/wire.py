@@ -1,8 +1,8 @@
 """Strict JSON request-body parsing and the control-route error body, shared by every route.
 
 Every body skycap parses goes through `parse_json_body`, which refuses what could not be
-stored faithfully: invalid UTF-8, lone surrogates, integers beyond 64 bits (D-2) and
-nesting deeper than `MAX_DEPTH` (D-45: orjson reads 1,024 levels but writes only 254, so a
+stored faithfully: invalid UTF-8, lone surrogates, integers beyond 64 bits and
+nesting deeper than `MAX_DEPTH` (orjson reads 1,024 levels but writes only 254, so a
 deeper value would be accepted and then never written). `check_depth` applies the same
 limit to a value that did not come from a body.
 """
@@ -17,7 +17,7 @@ import orjson
 NOT_JSON = "request body is not JSON"
 
 # orjson keeps integers in [-2**63, 2**64 - 1] and silently turns larger ones into floats,
-# losing digits (D-2). Any such literal has at least 19 digits, so a body without a run of
+# losing digits. Any such literal has at least 19 digits, so a body without a run of
 # 19 digits needs no closer look; the scan is a C-speed translate plus a substring search.
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
@@ -25,7 +25,7 @@ _DIGIT_MASK = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
 _LONG_DIGIT_RUN = b"0" * 19
 
 
-#: The deepest nesting of arrays and objects accepted anywhere (D-45); the body is level 1.
+#: The deepest nesting of arrays and objects accepted anywhere; the body is level 1.
 MAX_DEPTH = 128
 # Below this size a body with at most MAX_DEPTH brackets needs no walk (a C-speed count).
 _COUNT_ONLY = 1 << 16
@@ -46,7 +46,7 @@ class _BigInteger(Exception):
 
 
 def parse_json_body(raw: bytes, *, allow_empty: bool = False) -> Any:
-    """Parse a request body strictly, so a body is never stored in a lossy form (D-2, D-45).
+    """Parse a request body strictly, so a body is never stored in a lossy form.
 
     With `allow_empty`, an empty or all-whitespace body returns None (control routes treat
     it as `{}`); otherwise it is an error like any other non-JSON body.

@@ -1,4 +1,4 @@
-"""Shared pytest set-up: offline tokenizers (D-5), the Qwen3 folder, one renderer and engine."""
+"""Shared pytest set-up: offline tokenizers, the Qwen3 folder, one renderer and engine."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class S3:
 
 @pytest.fixture(scope="session")
 def s3() -> Iterator[S3]:
-    """moto's S3 on a free loopback port, started once per test session (D-33)."""
+    """moto's S3 on a free loopback port, started once per test session."""
     import boto3
     from moto.server import ThreadedMotoServer
 

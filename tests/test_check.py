@@ -1,4 +1,4 @@
-"""Tests of `skycap check` on records written by the record writer (graph.md §12)."""
+"""Tests of `skycap check` on records written by the record writer (graph.md §6)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _zst(path: Path, data: bytes) -> None:
     path.write_bytes(zstandard.ZstdCompressor().compress(data))
 
 
-# -- the example of graph.md §12.4 ---------------------------------------------------------
+# -- the example of graph.md §6 ---------------------------------------------------------
 
 
 def test_the_spec_example(tmp_path: Path, capsys) -> None:

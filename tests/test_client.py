@@ -29,7 +29,7 @@ from skycap.client import (
 
 HANG = "hang"
 PIXELS = np.arange(6, dtype=np.float32).reshape(2, 3)
-# graph.md §11's example sample, verbatim, plus one image.
+# graph.md §5's example sample, verbatim, plus one image.
 TOKEN_SAMPLE = {
     "leaf": 1,
     "path": [0, 1],
@@ -252,7 +252,7 @@ async def test_path_rule_error(server: FakeServer) -> None:
 
 
 async def test_finish_on_unreachable_server_is_capture_error(server: FakeServer) -> None:
-    """D-22: status None, chained to the transport error."""
+    """Status None, chained to the transport error."""
     server.keep_alive = False
     async with CapturePool([server.url]) as pool:
         traj = await pool.create()

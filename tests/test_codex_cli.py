@@ -1,4 +1,4 @@
-"""The real Codex CLI (`codex exec`) against skycap in both modes, hermetic as D-48 says.
+"""The real Codex CLI (`codex exec`) against skycap in both modes, hermetic (no network).
 
 Each run is `scripts/codex_smoke.py`'s: the scripted model asks Codex to run a shell
 command, Codex runs it and sends the reasoning item (with its `encrypted_content`), the

@@ -1,4 +1,4 @@
-"""The control token (D-30) over real sockets: who may use control routes, how clients find it."""
+"""The control token over real sockets: who may use control routes, how clients find it."""
 # ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations

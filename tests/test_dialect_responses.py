@@ -238,7 +238,7 @@ def test_assembler_reads_a_split_stream_like_the_json() -> None:
     json_message, json_reason, json_usage = read_response(body)
     assert message == json_message and reason == json_reason == "tool_calls"
     assert assembler.usage == json_usage
-    # Text mode hashes the reply and its replay the same way (D-35).
+    # Text mode hashes the reply and its replay the same way.
     (replayed,) = read_items(body["output"])
     assert message_hash(replayed) == message_hash(message)
 

@@ -1,4 +1,4 @@
-"""The dialect layer without a server: canonical reading (D-35), writers, assemblers, errors."""
+"""The dialect layer without a server: canonical reading, writers, assemblers, errors."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def _split(data: bytes, seed: int) -> list[bytes]:
 
 
 def test_a_token_mode_answer_reads_back_as_the_stored_message() -> None:
-    """issue() -> JSON / SSE -> the client's replay or text-mode assembly: one message (D-35)."""
+    """issue() -> JSON / SSE -> the client's replay or text-mode assembly: one message."""
     parsed = {
         "role": "assistant",
         "content": "Let me look. é🙂",
@@ -259,7 +259,7 @@ def test_reasoning_field_picks_the_reply_keys(field: str, keys: set[str]) -> Non
     assert {k for k in answered if k.startswith("reasoning")} == keys
     assert all(answered[k] == "r" for k in keys) and stored["reasoning_content"] == "r"
     replay = CHAT.read({"messages": [answered]}).messages[0]
-    assert message_hash(replay) == message_hash(stored)  # either key folds back (D-35)
+    assert message_hash(replay) == message_hash(stored)  # either key folds back
 
 
 def test_reasoning_field_is_checked_by_the_options() -> None:

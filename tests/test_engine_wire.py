@@ -34,7 +34,7 @@ def reply(**choice: Any) -> dict[str, Any]:
     return {"request_id": "r", "usage": {}, "choices": [base]}
 
 
-# -- sampling merge (http.md §9.3) ---------------------------------------------------------
+# -- sampling merge (http.md §3.2) ---------------------------------------------------------
 
 
 def test_merge_follows_the_spec_example() -> None:
@@ -70,12 +70,13 @@ def test_stop_token_ids_default_only_when_absent() -> None:
 
 
 def test_caller_sampling_keeps_listed_non_null_fields() -> None:
-    """Token mode reads the caller's sampling with the text-mode recipe (http.md §9.1)."""
+    """Token mode reads the caller's sampling with the text-mode recipe (http.md §3.2)."""
     body = {"temperature": 0, "top_p": None, "stop_token_ids": [1], "ignore_eos": True, "seed": 3}
     assert recorded_sampling(body) == {"temperature": 0, "seed": 3}
 
 
-# -- request (http.md §10.1) ---------------------------------------------------------------
+# -- request (docs/tokens.md "The engine: vLLM")
+# ---------------------------------------------------------------
 
 
 def test_request_filters_sampling_keys_and_adds_logprobs() -> None:
@@ -152,7 +153,8 @@ def test_engine_defaults_match_the_spec() -> None:
     assert "stop_token_ids" in engine.sampling_keys and "logprobs" not in engine.sampling_keys
 
 
-# -- parse (http.md §10.3) -----------------------------------------------------------------
+# -- parse (docs/tokens.md "The engine: vLLM")
+# -----------------------------------------------------------------
 
 
 def test_parse_reads_a_full_reply() -> None:
@@ -271,7 +273,7 @@ def test_pickled_npy_is_never_loaded() -> None:
 
 
 def test_request_never_forwards_stop_strings() -> None:
-    """A --tokens-only vLLM refuses any stop string; skycap applies them itself (D-41)."""
+    """A --tokens-only vLLM refuses any stop string; skycap applies them itself."""
     body = VLLMEngine().request(
         prompt_ids=[1, 2],
         sampling={"stop": ["END"], "temperature": 0.5},

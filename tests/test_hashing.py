@@ -1,4 +1,4 @@
-"""The hash recipes reproduce graph.md's pinned vectors and canonical JSON rules (D-2)."""
+"""The hash recipes reproduce graph.md's pinned vectors and canonical JSON rules."""
 
 from __future__ import annotations
 

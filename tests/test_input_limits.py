@@ -1,4 +1,4 @@
-"""Hostile input over real sockets: deep JSON on every route (D-45), fuzzed bodies, never a 5xx."""
+"""Hostile input over real sockets: deep JSON on every route, fuzzed bodies, never a 5xx."""
 # ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations

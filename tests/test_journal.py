@@ -101,7 +101,7 @@ def test_torn_lines_and_arrays_are_dropped_and_filled_expert_rows_kept(tmp_path:
     model = _token_node(trajectory.graph, root.id, 2)
     model.calls.append({"t_start": 1.0, "t_end": 2.0})
     journal.append(trajectory, 1)
-    root.tokens.experts[-1] = 9  # the next call forwards the real row (D-18)
+    root.tokens.experts[-1] = 9  # the next call forwards the real row
     root.tokens.experts_placeholder = False
     second = _token_node(trajectory.graph, model.id, 3)
     second.calls.append({"t_start": 3.0, "t_end": 4.0})

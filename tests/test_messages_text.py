@@ -136,7 +136,7 @@ def test_sync_calls_with_tools_and_thinking_stay_one_path(
         "tool_call_id": "toolu_mock_0",
         "content": "a b",
     }
-    for request in upstream.requests[before:]:  # D-37: the harness key never goes upstream
+    for request in upstream.requests[before:]:  # the harness key never goes upstream
         assert request.path == "/v1/messages"
         assert request.header("x-api-key") is None
         assert request.header("authorization") == "Bearer sk-upstream"

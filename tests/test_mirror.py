@@ -94,7 +94,7 @@ def test_mirror_options_are_checked_at_start(tmp_path: Path) -> None:
         ServerOptions(**base, record_mirror="memory://m", record_mirror_config={"workers": 0})
     with pytest.raises(ValueError, match="needs record_mirror"):
         ServerOptions(**base, record_mirror_config={"workers": 2})
-    # gcsfs is not installed: the error names both ways to install the extra (D-42).
+    # gcsfs is not installed: the error names both ways to install the extra.
     with pytest.raises(ImportError) as missing:
         ServerOptions(**base, record_mirror="gs://bucket/prefix")
     assert "skycap[remote]" in str(missing.value)

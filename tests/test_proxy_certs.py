@@ -100,7 +100,7 @@ def test_skycap_ca_prints_the_bundle(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_proxy_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    options = ServerOptions(proxy_port=0)  # text mode behind the proxy needs no upstream (D-8)
+    options = ServerOptions(proxy_port=0)  # text mode behind the proxy needs no upstream
     assert options.upstream_url is None and options.confdir == tmp_path / "skycap"
     assert ServerOptions(UP).confdir is None and ServerOptions(UP).proxy_port is None
     with pytest.raises(ValueError, match=r"upstream_url \(--upstream-url\) is required"):
@@ -151,9 +151,10 @@ def test_mitmdump_turns_the_proxy_on_with_a_regular_mode(tmp_path: Path) -> None
     ],
 )
 def test_what_the_proxy_captures(method: str, path: str, kind: str) -> None:
-    assert proxy_route(method, path) == kind  # D-24
+    assert proxy_route(method, path) == kind  # captured routes of an HTTPS_PROXY trajectory
     refused = REFUSED if kind == PASS else kind
-    assert proxy_route(method, path, model_api_host=True) == refused  # D-38
+    # model-API hosts: uncaptured routes refused
+    assert proxy_route(method, path, model_api_host=True) == refused
 
 
 def test_basic_credentials_parse_strictly() -> None:

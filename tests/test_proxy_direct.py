@@ -1,4 +1,4 @@
-"""Text mode with a proxy and no upstream URL: proxied calls go to their original host (D-8)."""
+"""Text mode with a proxy and no upstream URL: proxied calls go to their original host."""
 # ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_a_proxied_call_goes_to_its_original_host(
     chat, deployed, listed = upstream.requests[-3:]
     assert chat.path == "/v1/chat/completions" and chat.header("host") == origin[7:]
     assert chat.header("authorization") == "Bearer sk-up"  # never the harness's own key
-    # A deployment path is captured (D-24) and forwarded as it was: this mock has no such
+    # A deployment path is captured and forwarded as it was: this mock has no such
     # route, so the trajectory records the upstream's 404 as a failure.
     assert deployed.path == "/openai/deployments/gpt/chat/completions?api-version=1"
     assert deployment.status_code == 404
@@ -76,7 +76,7 @@ def test_limits_and_failures_inside_a_tls_tunnel(control: Control) -> None:
     with httpx.Client(proxy=created["proxy_url"], verify=trusted, timeout=20) as client:
         oversize = client.post("https://api.openai.com/v1/chat/completions", json=large)
         unreachable = client.post("https://127.0.0.1:1/v1/chat/completions", json=BODY)
-    assert oversize.status_code == 413  # D-10, answered by the drain sink through the tunnel
+    assert oversize.status_code == 413  # answered by the drain sink through the tunnel
     assert "over the limit of 4096 bytes" in oversize.json()["error"]["message"]
     # The original host is down: 502 (mitmproxy's own page inside TLS) and a failure recorded.
     assert unreachable.status_code == 502

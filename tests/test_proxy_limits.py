@@ -1,4 +1,4 @@
-"""The proxy's pass-through limits (D-43) over real sockets: no relay into this machine."""
+"""The proxy's pass-through limits over real sockets: no relay into this machine."""
 # ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations

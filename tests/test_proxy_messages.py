@@ -1,4 +1,4 @@
-"""Through the proxy listener: Anthropic calls captured, other model-API routes refused (D-38)."""
+"""Through the proxy listener: Anthropic calls captured, other model-API routes refused."""
 # ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_claude_style_sdk_with_its_default_host_is_captured(
             "/v1/messages",
             "/v1/messages/count_tokens",
         ]
-        for request in forwarded:  # D-37: the harness's own key never leaves skycap
+        for request in forwarded:  # the harness's own key never leaves skycap
             assert request.header("x-api-key") is None
             assert request.header("authorization") == "Bearer sk-upstream"
         health = control.http.get("/healthz").json()["proxy"]

@@ -80,7 +80,7 @@ def test_create_hands_out_the_proxy_env(server: ServerThread, control: Control) 
     assert created["env"] == {
         "HTTPS_PROXY": proxy_url,
         "SSL_CERT_FILE": bundle,
-        "NODE_EXTRA_CA_CERTS": bundle,  # D-48: Node-based CLIs (Claude Code)
+        "NODE_EXTRA_CA_CERTS": bundle,  # Node-based CLIs (Claude Code)
         "NODE_USE_ENV_PROXY": "1",
         "CODEX_CA_CERTIFICATE": bundle,
         "NO_PROXY": "127.0.0.1",
@@ -88,7 +88,7 @@ def test_create_hands_out_the_proxy_env(server: ServerThread, control: Control) 
     assert created["anthropic_base_url"] == created["base_url"].removesuffix("/v1")
     health = control.http.get("/healthz").json()
     assert health["proxy"]["port"] == port
-    # The control listener is no proxy: CONNECT there is refused, never tunnelled (D-7).
+    # The control listener is no proxy: CONNECT there is refused, never tunnelled.
     status, _, _ = raw_connect(int(server.url.rsplit(":", 1)[1]), None)
     assert status.startswith("HTTP/1.1 400")
 
@@ -171,7 +171,7 @@ def test_an_ended_trajectory_gets_410_inside_its_tunnel(
     assert control.finish(created["id"]).status_code == 200
     assert not server.run_in_loop(lambda: server.store.get(created["id"]))  # on disk only: no key
     status, _, _ = raw_connect(proxy_port(server), basic(created["id"], "any key"))
-    assert status.startswith("HTTP/1.1 200")  # D-24: accepted, refused inside
+    assert status.startswith("HTTP/1.1 200")  # accepted, refused inside
     before = len(upstream.requests)
     http_client = tls_client(created["proxy_url"], created["env"]["SSL_CERT_FILE"])
     with (

@@ -19,7 +19,7 @@ from server_fixtures import record_files, wait_for
 from skycap.mock.upstream import ScriptedUpstream
 
 if os.environ.get("CI") == "true":
-    import ray  # under CI the extra must be there: an ImportError fails the run (D-47)
+    import ray  # under CI the extra must be there: an ImportError fails the run
 else:
     ray = pytest.importorskip("ray")
 
@@ -40,7 +40,7 @@ def agent_ports() -> dict[str, int]:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
-    """Two 1-CPU Ray nodes on this machine (2 CPUs in all), started once per session (D-33)."""
+    """Two 1-CPU Ray nodes on this machine (2 CPUs in all), started once per session."""
     from ray.cluster_utils import Cluster
 
     # A loaded CI machine starts Ray's per-node agent slowly: give it time, not a crash.
@@ -64,7 +64,7 @@ def ray_cluster() -> Iterator[Any]:
     except Exception as exc:
         if cluster is not None:
             cluster.shutdown()
-        if os.environ.get("CI") == "true":  # D-47: never skipped under CI
+        if os.environ.get("CI") == "true":  # never skipped under CI
             raise
         pytest.skip(f"a local Ray cluster could not start on this machine: {exc}")
     yield cluster

@@ -59,7 +59,7 @@ def edit_document(record_dir: Path, edit) -> None:
 
 
 def worked_example() -> Trajectory:
-    """The two token nodes of format.md §11, text included so nothing needs decoding."""
+    """The two token nodes of format.md §6.2, text included so nothing needs decoding."""
     graph = Graph()
     experts = np.arange(28, dtype=np.uint8).reshape(7, 2, 2)
     graph.add(
@@ -194,7 +194,7 @@ def test_worked_byte_layout_matches_format_md_section_11(tmp_path: Path) -> None
         "mask_rows": 3,
         "media": [],
     }
-    assert [list(t) for t in node_tokens] == [list(node_tokens[0])] * 2  # §9 key order
+    assert [list(t) for t in node_tokens] == [list(node_tokens[0])] * 2  # format.md §5 key order
     assert list(document["nodes"][0]) == [
         "id",
         "parent",

@@ -177,7 +177,7 @@ def test_truncated_thinking_parses_open_and_bridges_with_synthesised_close(
     out = bridged(
         qwen3_renderer, turn1.token_ids, completion, [{"role": "user", "content": "go on"}]
     )
-    # D-17: the synthesised </think><|im_end|>\n is scaffold of the first new message.
+    # The synthesised </think><|im_end|>\n is scaffold of the first new message.
     assert (
         decode(qwen3_renderer, out.token_ids[out.reused : out.reused + 3]) == "</think><|im_end|>\n"
     )
@@ -356,7 +356,8 @@ def test_chat_template_kwargs_reach_the_template_and_parse_sees_the_prefill(
     no_think = LibraryRenderer(
         qwen3_dir, renderer_name="qwen3", chat_template_kwargs={"enable_thinking": False}
     )
-    assert no_think._lib.effective_thinking_retention == "all"  # forced (python-api.md §8)
+    # forced (docs/tokens.md "Engines and renderers")
+    assert no_think._lib.effective_thinking_retention == "all"
     out = no_think.render([{"role": "user", "content": "hi"}], None)
     assert decode(no_think, out.token_ids).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -368,7 +369,7 @@ def test_chat_template_kwargs_reach_the_template_and_parse_sees_the_prefill(
     }
 
 
-# -- the memoising tokenizer wrapper (D-27) -------------------------------------------------
+# -- the memoising tokenizer wrapper -------------------------------------------------
 
 SEARCH_CALL = {
     "id": "c1",

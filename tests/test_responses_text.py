@@ -17,7 +17,7 @@ from skycap.mock.responses import ScriptedResponsesUpstream
 from skycap.mock.upstream import Reply
 from skycap.server.options import ServerOptions
 
-os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # D-48: never export traces to OpenAI
+os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # never export traces to OpenAI
 
 TOOLS = [
     {

@@ -18,7 +18,7 @@ from skycap.mock.engine import ScriptedEngine
 from skycap.mock.engine_wire import scripted_logprob
 from skycap.server.options import ServerOptions
 
-os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # D-48: never export traces to OpenAI
+os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # never export traces to OpenAI
 
 TOOLS = [
     {

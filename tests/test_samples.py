@@ -1,4 +1,4 @@
-"""Tests of path rules, recorded rows, per-sample arrays and their wire form (graph.md §9-§11)."""
+"""Tests of path rules, recorded rows, per-sample arrays and their wire form (graph.md §4, §5)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from skycap.samples import (
 from skycap.text.commit import commit_text_call
 from skycap.trajectory import Trajectory
 
-# graph.md §11, verbatim.
+# graph.md §5, verbatim.
 WORKED_EXAMPLE = json.loads("""
 {"leaf": 1, "path": [0, 1],
  "messages": [{"role": "user", "content": "qé"}, {"role": "assistant", "content": "🙂ok"}],
@@ -67,7 +67,7 @@ def _call(node, t_end: float) -> None:
 
 
 def worked_example_graph() -> Graph:
-    """format.md §11's two token nodes."""
+    """format.md §6.2's two token nodes."""
     graph = Graph()
     _add(graph, None, CLIENT, Tokens(ids=[1, 2, 3], experts=_experts([0, 1, 2])), content="qé")
     ids, offsets = rows_to_csr([[5, 8], [6], [7, 1, 2]])
@@ -298,7 +298,7 @@ def test_a_long_path_builds_in_milliseconds() -> None:
     assert elapsed < 0.25, f"building a 120k-token sample took {elapsed * 1000:.0f} ms"
 
 
-# -- reading samples back from a record (skycap.load, D-23) ----------------------------------
+# -- reading samples back from a record (skycap.load) ----------------------------------
 
 
 def _token_trajectory(graph: Graph, trajectory_id: str = "tr_00000000000000aa") -> Trajectory:

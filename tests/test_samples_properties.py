@@ -79,7 +79,7 @@ def token_graphs(draw: st.DrawFn) -> Graph:
 
 
 def _expected_loss_mask(graph: Graph, row: Row) -> list[int]:
-    """1 on the targets' sampled tokens, except where the logprob is missing (NaN, D-41)."""
+    """1 on the targets' sampled tokens, except where the logprob is missing (NaN)."""
     mask: list[int] = []
     for i in row.path:
         tok = graph[i].tokens

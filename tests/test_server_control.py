@@ -137,7 +137,7 @@ def test_finish_returns_samples_and_repeats_identically(control: Control) -> Non
     other_rule = control.finish(trajectory["id"], paths="final")
     assert other_rule.status_code == 409
     assert other_rule.json() == {"error": "trajectory already finished with paths='all'"}
-    # D-13: a value not there yet may still be added after the end.
+    # A value not there yet may still be added after the end.
     added = control.finish(trajectory["id"], annotations={"judge": "ok"})
     assert added.status_code == 200
     assert control.document(trajectory["id"]).json()["annotations"] == {
@@ -175,7 +175,7 @@ def test_custom_and_final_rules(control: Control) -> None:
     chat(trajectory, [{"role": "user", "content": "b"}])
     result = control.finish(trajectory["id"], paths="first").json()
     assert [(s["path"], s["targets"]) for s in result["samples"]] == [([0, 1], [1])]
-    # A repeat without `paths` means the recorded rule (D-13).
+    # A repeat without `paths` means the recorded rule.
     assert control.finish(trajectory["id"]).json() == result
     other = control.create()
     chat(other, [{"role": "user", "content": "a"}])

@@ -44,9 +44,9 @@ def parse(*argv: str) -> ServerOptions:
 
 def test_defaults_follow_the_decisions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     options = ServerOptions(UP)
-    assert options.host == "127.0.0.1"  # D-6
-    assert options.max_body_size == 1 << 30  # D-10
-    assert options.upstream_timeout is None  # D-11
+    assert options.host == "127.0.0.1"  # control routes are unauthenticated: loopback by default
+    assert options.max_body_size == 1 << 30  # 1 GiB
+    assert options.upstream_timeout is None  # no timeout unless asked for
     assert options.sweep_interval == 60.0 and options.ttl == 3600.0
     assert options.upstream_origin == ("http", "127.0.0.1", 9)
     assert options.upstream_path == "/v1"

@@ -171,7 +171,7 @@ async def test_streamed_tool_conversation_with_the_async_sdk(
         if reply.get("tool_calls"):
             messages.append({"role": "tool", "tool_call_id": "call_0", "content": "found"})
     await client.close()
-    # A finish right after the stream always finds the reply (held-back tail, http.md §7.3).
+    # A finish right after the stream always finds the reply (held-back tail, http.md §3.1).
     result = await asyncio.to_thread(control.finish, trajectory["id"])
     sample = result.json()["samples"][0]
     assert sample["messages"][1] == replies[0]
@@ -307,7 +307,7 @@ def test_the_sdk_stream_helpers_replayed_messages_stay_one_path(
     make_server, upstream: ScriptedUpstream
 ) -> None:
     """`chat.completions.stream()`'s final message, replayed with model_dump(), carries
-    `parsed`, tool-call `index`, `parsed_arguments` and `reasoning`: folded away (D-35)."""
+    `parsed`, tool-call `index`, `parsed_arguments` and `reasoning`: folded away."""
     upstream.script = [
         Reply(reasoning_content="let me look", content="One moment.", tool_calls=[SEARCH]),
         Reply(content="Found it."),

@@ -98,7 +98,7 @@ def test_readme_snippet_in_token_mode(engine: ScriptedEngine, qwen3_dir: Path, t
     assert len(sample.sampling_mask) == len(sample.input_ids)
     assert result.unbridged_calls == 0
     assert result.record is not None and Path(result.record.path).exists()
-    # The record reads back to the same samples (D-23).
+    # The record reads back to the same samples.
     again = load(tmp_path, result.id).samples("all")
     assert again[0].input_ids == sample.input_ids and again[0].loss_mask == sample.loss_mask
 

@@ -1,4 +1,4 @@
-"""Tests for incremental SSE stream assembly (skycap.dialects.chat, http.md §8)."""
+"""Tests for incremental SSE stream assembly (skycap.dialects.chat, http.md §3.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of `skycap summary`: every figure of viewer.md §8 on a small record directory."""
+"""Tests of `skycap summary`: every figure of docs/tools.md "skycap summary" on a small record
+directory."""
 
 from __future__ import annotations
 

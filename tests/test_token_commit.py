@@ -23,7 +23,7 @@ def ids(*values: int) -> np.ndarray:
 
 
 def first_plan() -> Plan:
-    """A user message [1, 2, 3] and the generation prompt [4] (format.md §11's example)."""
+    """A user message [1, 2, 3] and the generation prompt [4] (format.md §6.2's example)."""
     match = token_match(USER, "", "policy")
     return Plan(
         prompt_ids=[1, 2, 3, 4],

@@ -315,7 +315,7 @@ def test_the_sdk_stream_helpers_replayed_messages_stay_one_bridged_path(
     control: Control,
 ) -> None:
     """`chat.completions.stream()`'s final message carries `parsed`, tool-call `index` and
-    `parsed_arguments`, plus `reasoning`; replayed with model_dump() they fold away (D-35)."""
+    `parsed_arguments`, plus `reasoning`; replayed with model_dump() they fold away."""
     trajectory = control.create()
     client = sdk(trajectory)
     messages: list[Any] = [dict(m) for m in START]

@@ -111,7 +111,7 @@ def test_second_turn_bridges_from_the_model_node(qwen3_renderer: LibraryRenderer
     assert p.reused == len(prev) and p.prompt_ids[: len(prev)] == prev
     assert p.prompt_ids[p.reused :] == flat(p)
     assert [m.message for m in p.new] == [messages[-1]]
-    # D-17: the separator after the sampled stop token is scaffold of the tool message.
+    # The separator after the sampled stop token is scaffold of the tool message.
     assert decode(qwen3_renderer, p.new[0].ids).startswith("\n<|im_start|>user\n<tool_response>")
     assert p.routes_from == 0  # no node holds routed experts
 
@@ -174,7 +174,7 @@ def test_full_render_keeps_a_model_node_it_reproduces_and_gives_its_separator_to
         {"role": "user", "content": "b"},
     ]
     p = plan(traj, qwen3_renderer, messages)
-    assert p.bridged is False  # the tail holds an assistant message (D-17)
+    assert p.bridged is False  # the tail holds an assistant message
     assert p.parent == 2 and p.reused == sum(traj.graph[i].tokens.length for i in range(3))
     assert p.prompt_ids == qwen3_renderer.render(messages, TOOLS).token_ids
     assert decode(qwen3_renderer, p.new[0].ids) == "\n<|im_start|>user\na<|im_end|>\n"
@@ -264,7 +264,7 @@ def test_a_message_differing_in_more_than_empty_strings_is_not_render_checked() 
 
 
 def test_full_render_model_node_leftover_is_scaffold_of_the_next_message() -> None:
-    """A kept model node may end before its message's last rendered token (D-16, D-17)."""
+    """A kept model node may end before its message's last rendered token."""
     traj = new_trajectory()
     fake = FakeRenderer()
     first = fake_turn(traj, fake, [USER_A])
@@ -402,7 +402,7 @@ def test_attribute_gives_scaffold_to_the_following_message_and_the_tail_to_the_m
     assert scaffold.tolist() == [6, 7, 8, 9]
 
 
-# -- the previous turn's lists (D-27) -------------------------------------------------------
+# -- the previous turn's lists -------------------------------------------------------
 
 
 def tool_call(step: int) -> str:
@@ -420,7 +420,7 @@ def plan_fields(p: Plan) -> tuple[Any, ...]:
 
 
 class Kept:
-    """Turns committed as the backend does, keeping each model node's lists (D-27).
+    """Turns committed as the backend does, keeping each model node's lists.
 
     Every plan is made with and without the `previous` given, and must be the same.
     """

@@ -1,4 +1,4 @@
-"""Token mode streams as the engine generates (D-51): all three SDKs, keep-alives, faults."""
+"""Token mode streams as the engine generates: all three SDKs, keep-alives, faults."""
 # ruff: noqa: F401, F811 - pytest fixtures are imported from server_fixtures by name
 
 from __future__ import annotations

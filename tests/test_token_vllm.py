@@ -172,7 +172,7 @@ def test_a_stop_string_cuts_tokens_content_and_side_channels(
     assert choice.message.content == "The answer is "
     assert choice.finish_reason == "stop"
     request = engine.generated[-1].body
-    assert "stop" not in request["sampling_params"]  # never forwarded (D-41)
+    assert "stop" not in request["sampling_params"]  # never forwarded
     (call,) = calls_of(control, trajectory["id"])
     assert call["stop_string"] == "42" and call["finish_reason"] == "stop"
     assert call["sampling"]["stop"] == ["DONE", "42"]

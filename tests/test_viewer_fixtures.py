@@ -387,7 +387,7 @@ def write_mixed(record_dir: Path) -> None:
 
 
 def write_missing_copy(source: Path, target: Path) -> None:
-    """A mirror copy that left the tokens sidecars out (format.md §16)."""
+    """A mirror copy that left the tokens sidecars out (docs/format.md "Mirror copies")."""
     shutil.copytree(source, target)
     for path in target.glob("*.tokens.zst"):
         path.unlink()

@@ -1,4 +1,5 @@
-"""Group rules of viewer.md §4 on hand-made summaries: keys, attempts, modal size, sorts."""
+"""Group rules of docs/viewer.md "Groups" on hand-made summaries: keys, attempts, modal size,
+sorts."""
 
 from __future__ import annotations
 

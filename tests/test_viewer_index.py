@@ -1,4 +1,4 @@
-"""Runs found under folders and rescanned incrementally (viewer.md §1)."""
+"""Runs found under folders and rescanned incrementally (docs/viewer.md "Running it")."""
 
 from __future__ import annotations
 

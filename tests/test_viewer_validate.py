@@ -1,4 +1,4 @@
-"""`skycap validate`: every viewer.md §7 rule with its problem text, the output and exit codes."""
+"""`skycap validate`: every record rule with its problem text, the output and exit codes."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_not_utf8_names_the_byte() -> None:
 
 @pytest.mark.parametrize("escape", [rb"\ud800", rb"\udc00", rb"\ud800x"])
 def test_lone_surrogate_is_named(escape: bytes) -> None:
-    """D-2: orjson refuses lone surrogates; the message must say that is the problem."""
+    """Orjson refuses lone surrogates; the message must say that is the problem."""
     message = _refusal(b'{"a": "' + escape + b'"}')
     assert message.startswith("request body is not JSON: a string holds a lone UTF-16 surrogate")
 
@@ -63,7 +63,7 @@ def test_surrogate_pair_is_fine() -> None:
     "literal", ["18446744073709551616", "-9223372036854775809", "1" + "0" * 400]
 )
 def test_integer_beyond_64_bits_is_named(literal: str) -> None:
-    """D-2: orjson would silently turn these into floats (or fail on infinity)."""
+    """Orjson would silently turn these into floats (or fail on infinity)."""
     message = _refusal(b'{"a": [1, ' + literal.encode() + b"]}")
     assert "is beyond 64 bits" in message
     assert message.startswith("request body is not JSON: integer " + literal[:20])

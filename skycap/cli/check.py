@@ -1,4 +1,4 @@
-"""`skycap check`: whether each recorded trajectory is linear, and why it forks (graph.md §12)."""
+"""`skycap check`: whether each recorded trajectory is linear, and why it forks (graph.md §6)."""
 
 from __future__ import annotations
 

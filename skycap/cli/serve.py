@@ -1,7 +1,7 @@
 """`skycap serve`: run a capture server in the foreground until SIGINT or SIGTERM.
 
 Exit status: 0 after a clean shutdown, 1 when it cannot start, 3 when records could not
-be written by the end of shutdown (D-44; their crash journals stay for the next start).
+be written by the end of shutdown (their crash journals stay for the next start).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from skycap.server.flags import add_arguments
 
     add_arguments(parser)
-    # D-31: a server keeps its records unless told not to.
+    # A server keeps its records unless told not to.
     parser.add_argument(
         "--no-record-dir",
         action="store_true",
@@ -187,7 +187,7 @@ def _supervise(
 
 
 def records_line(options: Any) -> str:
-    """Where records go and when idle trajectories end, for the start line (D-31)."""
+    """Where records go and when idle trajectories end, for the start line."""
     if options.record_dir is None:
         return "records: memory only (--no-record-dir); idle trajectories never expire"
     return (

@@ -1,4 +1,5 @@
-"""`skycap summary`: per record directory, the figures of viewer.md §8 as rich tables or JSON."""
+"""`skycap summary`: per record directory, the figures of docs/tools.md "skycap summary" as rich
+tables or JSON."""
 
 from __future__ import annotations
 
@@ -47,13 +48,14 @@ def _bridged_state(call: Mapping[str, Any]) -> str | None:
 
 
 def _is_ended(document: Mapping[str, Any]) -> bool:
-    """format.md §4: a document without `ended` is ended iff its status is not `open`."""
+    """format.md §3: a document without `ended` is ended iff its status is not `open`."""
     ended = document.get("ended")
     return ended if isinstance(ended, bool) else document.get("status") != "open"
 
 
 def _render_signs(nodes: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int]]:
-    """Re-tokenized copies and model nodes inferred unbridged (viewer.md §2)."""
+    """Re-tokenized copies and model nodes inferred unbridged
+    (docs/viewer.md "The rollout drawer")."""
 
     def is_model(i: Any) -> bool:
         return isinstance(i, int) and 0 <= i < len(nodes) and nodes[i].get("author") == "model"
@@ -134,7 +136,8 @@ def _int(value: Any) -> int:
 
 
 def directory_stats(rows: Sequence[Mapping[str, Any]], unreadable: int) -> dict[str, Any]:
-    """The `stats` object of `summary --json` (viewer.md §8) over per-document figures."""
+    """The `stats` object of `summary --json` (docs/tools.md "skycap summary") over per-document
+    figures."""
     status: Counter[str] = Counter()
     modes: Counter[str] = Counter()
     sidecars: Counter[str] = Counter()
@@ -258,7 +261,8 @@ def _counts(counts: Mapping[str, int]) -> str:
 def figure_rows(
     stats: Mapping[str, Any], errors: Sequence[Mapping[str, str]]
 ) -> list[tuple[str, str]]:
-    """(figure, value) rows in the order of viewer.md §8; optional lines only when they apply."""
+    """(figure, value) rows in the order of docs/tools.md "skycap summary"; optional lines only when
+    they apply."""
     s = stats
     n = s["trajectories"]
     paths = s["paths"]

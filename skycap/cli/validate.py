@@ -1,4 +1,6 @@
-"""`skycap validate`: check record directories against the viewer.md §7 rules, for CI."""
+"""`skycap validate`: check record directories against the record rules, for CI.
+
+The rules are listed in docs/viewer.md "skycap validate"."""
 
 from __future__ import annotations
 

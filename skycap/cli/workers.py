@@ -2,7 +2,7 @@
 
 One `skycap serve` is one mitmproxy event loop, so one core (docs/scaling.md). The supervisor
 starts N ordinary `skycap serve` processes on ports `--port`…`--port+N-1` (proxy ports
-likewise), all sharing the record directory, the mirror and one control token (D-47, D-30),
+likewise), all sharing the record directory, the mirror and one control token,
 waits until each answers `/healthz`, and prints every URL. SIGINT/SIGTERM are forwarded to
 every worker, and the supervisor returns only once each has written its records. A worker
 that dies is reported and the others keep serving.
@@ -29,7 +29,7 @@ from skycap.server.records import JOURNALS_REPLAYED_VARIABLE
 #: The variable through which the supervisor hands its one control token to every worker.
 TOKEN_VARIABLE = "SKYCAP_WORKERS_CONTROL_TOKEN"
 START_TIMEOUT = 120.0
-#: A worker's exit status when records could not be written (D-44).
+#: A worker's exit status when records could not be written.
 RECORDS_LOST = 3
 
 
@@ -125,7 +125,7 @@ def supervise(
 
 
 def _replay(record_dir: Path) -> None:
-    """Replay the crash journals once, here, so no two workers replay the same one (D-44)."""
+    """Replay the crash journals once, here, so no two workers replay the same one."""
     replayed = replay_journals(record_dir)
     if replayed.written:
         print(

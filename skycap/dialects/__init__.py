@@ -1,4 +1,4 @@
-"""The dialect layer: one module per harness API, each with the same small interface (D-29).
+"""The dialect layer: one module per harness API, each with the same small interface.
 
 A dialect turns its API's wire shapes into skycap's canonical, Chat Completions shaped data
 and back, so the graph, samples, records, text mode and token mode never see an API's own
@@ -12,7 +12,7 @@ spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
   and vLLM answer; `tool_calls` for the others).
 - `read(body) -> Request`: check a parsed request body and read it into canonical messages,
   tools and sampling plus the dialect's extras; raises `wire.BodyError` (a 400) on bad input.
-  Canonicalisation (D-35) happens here, so both modes hash the same canonical messages.
+  Canonicalisation happens here, so both modes hash the same canonical messages.
 - `upstream_path`: where text mode forwards a call, after the upstream base URL.
 - `reply_message(parsed) -> (message, finish_reason, usage)`: a non-streamed upstream reply
   (text mode) in canonical form; raises `StreamError` naming what is missing.
@@ -30,7 +30,7 @@ Token mode's SSE written as a reply is generated is a `StreamWriter`, one per di
 - `reply_id() -> str`: a fresh id for a token-mode reply (`chatcmpl-…`, `msg_…`).
 - `reply_json(reply: ReplyData) -> bytes` and `reply_sse(reply: ReplyData) -> bytes`: token
   mode's answer from plain data, as one JSON body or one buffered SSE body.
-- `error(status, message, code=None, param=None) -> bytes`: the dialect's error body (D-36);
+- `error(status, message, code=None, param=None) -> bytes`: the dialect's error body;
   `param` names the request field at fault where the API's error shape has a place for it.
 - `finish_reason(canonical) -> str`: the dialect's spelling of a canonical finish reason.
 
@@ -53,7 +53,7 @@ class Request:
     """One model call read into canonical form.
 
     `body` is the parsed body as sent; `messages` and `tools` are canonical (chat-shaped),
-    `sampling` holds the sampling values as sent under their chat names (format.md §8);
+    `sampling` holds the sampling values as sent under their chat names (format.md §4);
     `extras` carries what only token mode reads (`cache_salt`, `max_prompt_tokens`, and
     `token_tools` / `omitted_tools` when token mode renders fewer tools than were sent);
     `token_refusal`, when set, is why token mode cannot run the call (a 400 there; text

@@ -1,4 +1,4 @@
-"""The token-neutral spellings every dialect folds away before hashing (D-35, docs/format.md).
+"""The token-neutral spellings every dialect folds away before hashing (docs/format.md).
 
 A harness re-sends what skycap answered in its own spelling: a single text block for a
 string, `cache_control` markers that move every turn, the OpenAI SDK stream helper's extra

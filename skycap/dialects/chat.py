@@ -1,7 +1,7 @@
 """OpenAI Chat Completions, the first dialect: its requests, replies, streams and errors.
 
-The canonical form is this API's own message shape (D-29), so reading a request only
-checks it (http.md §3 step 4) and folds the token-neutral spellings of D-35.
+The canonical form is this API's own message shape, so reading a request only
+checks it (http.md §3 step 4) and folds the token-neutral spellings (format.md §9).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from skycap.dialects import ReplyData, Request, canonical, tool_choice
 from skycap.dialects.sse import EventStream, StreamError
 from skycap.wire import BodyError, json_type
 
-#: A chat request's sampling keys: text mode records them as the call's `sampling` (format.md
-#: §8); token mode merges them with `--sampling-overrides` (http.md §9.1, §9.3).
+#: A chat request's sampling keys: text mode records them as the call's `sampling`
+#: (format.md §4); token mode merges them with `--sampling-overrides` (http.md §3.2).
 SAMPLING_KEYS = (
     "temperature",
     "top_p",
@@ -162,12 +162,12 @@ class _Choice:
 
 
 class StreamAssembler(EventStream):
-    """Feed a chat-completion SSE stream as it arrives; ask for the reply at the end (§8).
+    """Feed a chat-completion SSE stream as it arrives; ask for the reply at the end (http.md §3.1).
 
-    Relay use (http.md §7.3): after each `feed(chunk)`, hold `chunk` back if
+    Relay use (http.md §3.1): after each `feed(chunk)`, hold `chunk` back if
     `finish_seen` is true. The flag only ever turns on, so the first held chunk is the
     one in which a `finish_reason` first appeared. A streamed `reasoning` delta is stored
-    as `reasoning_content` (D-35).
+    as `reasoning_content`.
     """
 
     __slots__ = ("_choices", "_usage", "_finish_seen", "_reported_error")
@@ -215,7 +215,7 @@ class StreamAssembler(EventStream):
             state.apply(delta)
 
     def result(self) -> tuple[dict[str, Any], str]:
-        """The first choice's assembled message and finish_reason (http.md §8).
+        """The first choice's assembled message and finish_reason (http.md §3.1).
 
         Raises StreamError when a payload was unreadable or the first choice never got a
         finish_reason (a cut-off or error stream must not be recorded as a reply).
@@ -317,7 +317,7 @@ class ChatDialect:
         return completion_id()
 
     def reply_json(self, reply: ReplyData) -> bytes:
-        """The non-streamed `chat.completion` body (http.md §9.6)."""
+        """The non-streamed `chat.completion` body (http.md §3.2)."""
         choice = {
             "index": 0,
             "finish_reason": reply.finish_reason,
@@ -329,7 +329,7 @@ class ChatDialect:
         )
 
     def reply_sse(self, reply: ReplyData) -> bytes:
-        """The whole synthesised stream as one buffered body (http.md §9.7).
+        """The whole synthesised stream as one buffered body (docs/tokens.md "Streaming").
 
         Usage comes as a last `choices: []` chunk, only when the request asked for it with
         `stream_options.include_usage` (as OpenAI and vLLM send it).

@@ -1,6 +1,6 @@
 """Anthropic Messages: requests read into canonical messages, replies, streams and errors.
 
-The canonical form is Chat Completions shaped (D-29, D-35). A request's top-level `system`
+The canonical form is Chat Completions shaped. A request's top-level `system`
 and any `role: "system"` entries become system messages; text blocks become the message's
 content (one block is its string); `tool_use` blocks become `tool_calls` with their
 `toolu_…` ids and the input as compact JSON arguments; `tool_result` blocks become
@@ -26,9 +26,9 @@ from skycap.dialects.messages_stream import MessagesAssembler
 from skycap.hashing import token_digest
 from skycap.wire import BodyError, json_type
 
-#: Sampling keys this API has, under the chat names the graph records (format.md §4).
+#: Sampling keys this API has, under the chat names the graph records (format.md §3).
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")
-#: D-36: the error `type` an Anthropic SDK expects for each status.
+#: The error `type` an Anthropic SDK expects for each status.
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -285,7 +285,7 @@ def read_request(body: Any) -> Request:
     sampling = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
     stop = _stop_sequences(body.get("stop_sequences"))
     if stop:
-        sampling["stop"] = stop  # token mode applies it as a stop string (D-41)
+        sampling["stop"] = stop  # token mode applies it as a stop string
     request = Request(
         body=body,
         messages=messages,
@@ -326,7 +326,8 @@ def _token_refusal(
 
 
 def anthropic_error(status: int, message: str, code: str | None = None) -> bytes:
-    """The Anthropic error body of D-36: `{"type": "error", "error": {type, message, code}}`."""
+    """The Anthropic error body, as the SDK reads it (http.md §1): `{"type": "error", "error":
+    {type, message, code}}`."""
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return orjson.dumps(
         {"type": "error", "error": {"type": kind, "message": message, "code": code}}
@@ -511,7 +512,7 @@ class MessagesDialect:
         return stop_reason(canonical_reason)
 
     def stream_failure(self, assembler: MessagesAssembler, message: str) -> bytes:
-        """An `error` event (`api_error`) ends a relayed stream that broke (D-36)."""
+        """An `error` event (`api_error`) ends a relayed stream that broke."""
         return assembler.cut() + b"event: error\ndata: " + anthropic_error(502, message) + b"\n\n"
 
 

@@ -1,11 +1,11 @@
-"""The OpenAI Responses API as a dialect (D-29): `DIALECT` reads, answers and assembles it.
+"""The OpenAI Responses API as a dialect: `DIALECT` reads, answers and assembles it.
 
 Reading lives in `responses_read` (input items into canonical chat messages), the
 token-mode writer in `responses_reply`, text mode's reply reader in `responses_stream`.
 What token mode issues is here: a reasoning item whose opaque `encrypted_content` holds
 the reasoning text and names the completion's tokens, so a harness that sends it back
-lands on the exact node (D-35). Each call records its reply's id as `response_id`, which
-is how a later `previous_response_id` finds its place in the graph (D-40).
+lands on the exact node. Each call records its reply's id as `response_id`, which
+is how a later `previous_response_id` finds its place in the graph.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from skycap.hashing import token_digest
 def responses_error(
     status: int, message: str, code: str | None = None, param: str | None = None
 ) -> bytes:
-    """The OpenAI error body a Responses client reads (D-36); 404 is `not_found_error`."""
+    """The OpenAI error body a Responses client reads; 404 is `not_found_error`."""
     if status >= 500:
         kind = "api_error"
     elif status == 404:
@@ -93,7 +93,7 @@ class ResponsesDialect:
         return "incomplete" if canonical_reason == "length" else "completed"
 
     def stream_failure(self, assembler: ResponsesAssembler, message: str) -> bytes:
-        """`response.failed` ends a relayed stream that broke (D-36): the response the
+        """`response.failed` ends a relayed stream that broke: the response the
         stream announced, failed, numbered after the last event the harness got."""
         failed = dict(assembler.response or {"object": "response", "output": []})
         failed |= {"status": "failed", "error": {"code": "server_error", "message": message}}

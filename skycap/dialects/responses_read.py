@@ -1,4 +1,4 @@
-"""The OpenAI Responses API read into canonical chat messages and tools (D-29, D-35).
+"""The OpenAI Responses API read into canonical chat messages and tools.
 
 A Responses request carries `instructions` and an `input` that is a string or a list of
 items. Reading turns them into the Chat Completions shaped messages every node stores:
@@ -29,7 +29,7 @@ ROLES = ("user", "system", "developer", "assistant")
 #: Codex's remote compaction items (a request for one, and the opaque result it replays).
 COMPACTION_TYPES = ("compaction_trigger", "compaction")
 #: Token mode's `encrypted_content`: this prefix, then base64url of a small JSON object
-#: holding the reasoning text and the digest of the completion it came from (D-35).
+#: holding the reasoning text and the digest of the completion it came from.
 REASONING_TOKEN_PREFIX = "skycap.r1."
 #: Request keys that ask for server-side features skycap does not provide.
 UNSUPPORTED_KEYS = {
@@ -38,7 +38,7 @@ UNSUPPORTED_KEYS = {
     "background": "background responses are not supported: call without `background`",
     "prompt": "prompt templates are not supported: send `instructions` and `input`",
 }
-#: Request keys read as sampling, with the chat name they are recorded under (format.md §8).
+#: Request keys read as sampling, with the chat name they are recorded under (format.md §4).
 SAMPLING_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -114,7 +114,7 @@ def with_history(request: Request, history: list[dict[str, Any]]) -> list[dict[s
 
 
 def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The request's sampling as sent, under the chat names the call records (format.md §8)."""
+    """The request's sampling as sent, under the chat names the call records (format.md §4)."""
     return {chat: body[key] for key, chat in SAMPLING_FIELDS.items() if body.get(key) is not None}
 
 
@@ -323,7 +323,8 @@ def _texts(parts: Any) -> str | None:
 
 
 def _joined(before: Any, content: Any) -> Any:
-    """Two message items of one assistant run: their texts in order (D-35's part rules)."""
+    """Two message items of one assistant run: their texts in order (the text-part rules of
+    format.md §9)."""
     if before is None:
         return content
     parts = [p for c in (before, content) for p in (c if isinstance(c, list) else [_text(c)])]

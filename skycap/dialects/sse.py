@@ -10,7 +10,7 @@ _PAYLOAD_PREVIEW = 200
 
 
 class StreamError(ValueError):
-    """The stream cannot be recorded; the message starts `unreadable stream: ` (format.md §5)."""
+    """The stream cannot be recorded; the message starts `unreadable stream: ` (format.md §4)."""
 
 
 class EventStream:

@@ -1,4 +1,4 @@
-"""Each dialect's `tool_choice` and parallel-call switch, read into one canonical form (D-41).
+"""Each dialect's `tool_choice` and parallel-call switch, read into one canonical form.
 
 The canonical spelling is Chat Completions': `"auto"`, `"none"`, `"required"`, a named
 function `{"type": "function", "function": {"name": ...}}`, or

@@ -40,7 +40,8 @@ def scripted_experts(token_ids: Sequence[int], start: int, layers: int, k: int) 
 
 
 def npy_base64(array: np.ndarray) -> str:
-    """Base64 of a `.npy` file, the engine's routed-experts encoding (http.md §10.2)."""
+    """Base64 of a `.npy` file, the engine's routed-experts encoding
+    (docs/tokens.md "The engine: vLLM")."""
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return base64.b64encode(buffer.getvalue()).decode("ascii")

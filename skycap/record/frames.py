@@ -1,8 +1,8 @@
 """Walking the frames of a zstd file without decompressing them (RFC 8878), for one-frame checks.
 
-A record file must be exactly one zstd frame (format.md §3, D-19): common decoders stop
+A record file must be exactly one zstd frame (format.md §2): common decoders stop
 silently after the first. The reader and `skycap validate` both count frames here, and
-their problem texts are viewer.md §7 R1's.
+their problem texts agree (docs/viewer.md "skycap validate", zstd framing).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class FrameError(ValueError):
 
 
 def zstd_frames(data: Buffer) -> list[tuple[int, int]]:
-    """(start, end) of each zstd data frame; skippable frames are passed over (format.md §4)."""
+    """(start, end) of each zstd data frame; skippable frames are passed over (format.md §3)."""
     # Released on every exit, so a caller's mmap can close even after a FrameError.
     with memoryview(data) as view:
         return _walk(view)

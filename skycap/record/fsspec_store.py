@@ -15,7 +15,7 @@ MISSING_EXTRA = (
     "skycap[remote] (in a checkout: uv sync --extra remote)"
 )
 ERROR_CHARS = 300
-# OSErrors that a retry cannot fix (python-api.md §9); every other OSError is transient.
+# OSErrors that a retry cannot fix (docs/mirror.md "Options"); every other OSError is transient.
 PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 PERMANENT += (FileExistsError,)
 # Transport errors of the S3 and HTTP clients (botocore, aiohttp) that are not OSErrors;
@@ -73,7 +73,7 @@ def error_text(exc: BaseException) -> str:
 
 
 def transient(exc: BaseException) -> bool:
-    """Whether a retry may fix `exc` (python-api.md §9): connection errors, timeouts, and
+    """Whether a retry may fix `exc` (docs/mirror.md "Options"): connection errors, timeouts, and
     every OSError but permission denied, not found, is/not a directory, already exists."""
     if isinstance(exc, CopyFailed):  # judged in the copy process, where it was raised
         return exc.transient

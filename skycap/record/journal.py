@@ -7,7 +7,7 @@ added (message, hashes, calls, and their token arrays as references into the `.b
 file), calls it added to nodes already journaled, expert rows it filled in, new tools,
 new failures and the retry counters. Arrays are appended to `.bin` before the line that
 names them, so a line never points past what was written; a line cut off by a crash is
-ignored on replay. Readers skip the directory (dot-names, format.md §4).
+ignored on replay. Readers skip the directory (dot-names, format.md §3).
 
 The journal is written on the event loop before the harness gets its answer, unsynced
 unless `fsync` (power loss, not just a killed process). `replay_journals` turns every

@@ -1,4 +1,4 @@
-"""Record file names and sidecar payloads: 8-aligned little-endian arrays (format.md §10)."""
+"""Record file names and sidecar payloads: 8-aligned little-endian arrays (format.md §6)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ FORMAT_VERSION = 1
 KINDS = ("tokens", "experts", "sampling_mask")
 DOCUMENT_SUFFIX = ".json.zst"
 ALIGN = 8
-# format.md §10.1: a writer refuses every other dtype; a reader refuses them too.
+# format.md §6.1: a writer refuses every other dtype; a reader refuses them too.
 DTYPES = ("uint8", "uint16", "int16", "int32", "int64", "float64")
 
 
@@ -24,7 +24,7 @@ def sidecar_name(trajectory_id: str, kind: str) -> str:
 
 
 def temp_name(final_name: str) -> str:
-    """The sibling a file is written to before its rename (format.md §3): never listed."""
+    """The sibling a file is written to before its rename (format.md §2): never listed."""
     return f".{final_name}.tmp"
 
 
@@ -47,7 +47,7 @@ def little_endian(dtype: Any, what: str) -> np.dtype:
     dt = np.dtype(dtype)
     if dt.name not in DTYPES:
         raise ValueError(
-            f"{what}: dtype {dt.name} cannot be recorded (format.md §10.1 allows "
+            f"{what}: dtype {dt.name} cannot be recorded (format.md §6.1 allows "
             f"{', '.join(DTYPES)}); cast it first"
         )
     return dt.newbyteorder("<")
@@ -61,7 +61,7 @@ class Column:
     """One payload array given as pieces written back to back along the first axis.
 
     Pieces are the graph's own per-node arrays (or views of them), so a payload is never
-    concatenated in memory: the writer streams it piece by piece (D-28).
+    concatenated in memory: the writer streams it piece by piece.
     """
 
     def __init__(
@@ -85,7 +85,10 @@ class Column:
 
 
 class Payload:
-    """A sidecar payload: columns at 8-aligned offsets, no padding after the last (§10.1)."""
+    """A sidecar payload: columns at 8-aligned offsets, no padding after the last.
+
+    See format.md §6.1.
+    """
 
     def __init__(self, columns: Sequence[Column]) -> None:
         self.columns = columns

@@ -1,8 +1,8 @@
 """The record mirror: copies each written record to an fsspec URL in the background, fail-open.
 
 A capture server writes records to its node-local record directory; a mirror makes
-remote storage one more destination of that writer (python-api.md §9, D-42). After each
-local write the record's files are pinned (hard links under `<record dir>/.mirror/`, a
+remote storage one more destination of that writer (docs/mirror.md "Where the copies run").
+After each local write the record's files are pinned (hard links under `<record dir>/.mirror/`, a
 dot-name every reader skips) and queued; worker threads copy them byte for byte to
 `{url}/{file name}`, sidecars first and the document last, so a reader that sees a mirrored
 document finds its sidecars. Nothing here ever blocks or fails the caller: a slow, down or
@@ -259,7 +259,7 @@ class RecordMirror:
             self._lock.notify()
 
     def location(self, trajectory_id: str, files: list[str]) -> dict[str, Any]:
-        """The mirror part of a finish answer's `record` object (http.md §2.3, D-42)."""
+        """The mirror part of a finish answer's `record` object (http.md §2.3)."""
         with self._lock:
             state, error = self._states.get(trajectory_id, (None, None))
         return {
@@ -270,7 +270,7 @@ class RecordMirror:
         }
 
     def health(self) -> dict[str, Any]:
-        """The `/healthz` `record_mirror` counters (python-api.md §9, plus `bytes`)."""
+        """The `/healthz` `record_mirror` counters (docs/mirror.md "Counters", plus `bytes`)."""
         with self._lock:
             pending = len(self._jobs) + len(self._running)
             return {"url": redact(self.url), **self.counters, "pending": pending}

@@ -1,4 +1,4 @@
-"""The record reader: documents, manifest-driven sidecars, records loaded back (format.md §4)."""
+"""The record reader: documents, manifest-driven sidecars, records loaded back (format.md §3)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from skycap.record.layout import (
 )
 from skycap.trajectory import OPEN, STATUSES, Trajectory
 
-# viewer.md §7 rule 1: what a document must hold to be read at all.
+# The first record rule of docs/viewer.md "skycap validate": what a document must hold to be read at
+# all.
 REQUIRED_FIELDS = ("id", "status", "nodes", "sidecars")
 NODE_FIELDS = ("parent", "author", "message", "match_hash", "delta_hash", "created_at", "calls")
 SIDECAR_ARRAYS = {
@@ -42,7 +43,7 @@ class RecordError(Exception):
 
 
 def record_ids(record_dir: Path) -> list[str]:
-    """Ids of the documents at the top level of `record_dir`, sorted by file name (§4)."""
+    """Ids of the documents at the top level of `record_dir`, sorted by file name (format.md §3)."""
     directory = Path(record_dir)
     if not directory.is_dir():
         raise RecordError(f"record dir {directory} is not a directory")
@@ -99,7 +100,7 @@ def read_sidecar(
 ) -> dict[str, np.ndarray] | None:
     """The arrays of sidecar `kind` by name, or None when the record does not have it.
 
-    The manifest decides (§4): a kind it does not list, a kind in `omitted_sidecars`, and
+    The manifest decides (format.md §3): a kind it does not list, a kind in `omitted_sidecars`, and
     a listed file that is not beside the document all read as absent. Arrays are
     read-only views of one decompressed buffer.
     """
@@ -151,7 +152,7 @@ def trajectory_from_document(
 
 
 def decompress_file(path: Path) -> bytes:
-    """The content of the single zstd frame in `path` (D-19: a second frame is an error).
+    """The content of the single zstd frame in `path` (a second frame is an error).
 
     The file is mapped, not read, so reading a sidecar holds little more than its content.
     """
@@ -226,7 +227,7 @@ def _array(payload: bytes, kind: str, name: str, spec: Any) -> np.ndarray:
         raise RecordError(f"{what}: manifest entry must be an object")
     dtype, shape, offset = spec.get("dtype"), spec.get("shape"), spec.get("offset")
     if dtype not in DTYPES:
-        raise RecordError(f"{what}: unknown dtype {dtype!r} (format.md §10.1: {', '.join(DTYPES)})")
+        raise RecordError(f"{what}: unknown dtype {dtype!r} (format.md §6.1: {', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
         raise RecordError(f"{what}: bad shape {shape!r}")
     if not _is_count(offset):
@@ -272,7 +273,8 @@ def _trajectory(document: dict[str, Any]) -> Trajectory:
     )
     trajectory.status = document["status"]
     ended = document.get("ended")
-    # Older records have no `ended`: such a record is ended iff its status is not open (§4).
+    # Older records have no `ended`: such a record is ended iff its status is not open
+    # (format.md §3).
     trajectory.ended = ended if isinstance(ended, bool) else trajectory.status != OPEN
     trajectory.annotations = document.get("annotations") or {}
     trajectory.finished_at = document.get("finished_at")
@@ -316,7 +318,7 @@ def _add_node(graph: Graph, index: int, entry: Any, arrays: _Sidecars | None) ->
         raise RecordError(f"node {index}: {exc}") from None
     if node.id != index:
         raise RecordError(f"node {index} repeats node {node.id} (same parent and delta_hash)")
-    node.calls = list(entry["calls"])  # calls without `bridged` keep it absent (§4)
+    node.calls = list(entry["calls"])  # calls without `bridged` keep it absent (format.md §3)
 
 
 def _tokens(index: int, spec: Any, arrays: _Sidecars) -> Tokens | None:
@@ -366,7 +368,7 @@ def _experts(field: _Fields, spec: dict[str, Any], arrays: _Sidecars) -> np.ndar
 
 
 def _mask(field: _Fields, spec: dict[str, Any], arrays: _Sidecars) -> dict[str, np.ndarray | None]:
-    """The node's CSR mask rows; `mask_rows: 0` never opens the sidecar (§4)."""
+    """The node's CSR mask rows; `mask_rows: 0` never opens the sidecar (format.md §3)."""
     if spec.get("mask_offset") is None:
         return {"mask_ids": None, "mask_offsets": None}
     start, rows = field.count("mask_offset"), field.count("mask_rows")

@@ -1,7 +1,7 @@
 """Reading a record mirror: an fsspec URL listed and copied into a local cache directory.
 
 Every reader (`skycap check`, `summary`, `validate`, `view`, `skycap.load`) reads a
-directory by the rules of format.md §4. A mirror URL is turned into one: its top-level
+directory by the rules of format.md §3. A mirror URL is turned into one: its top-level
 `*.zst` files (and, for the viewer, the run index's `index/<phase>/step-<N>.json`) are
 listed through fsspec and only new or changed files (by size and
 ETag / modification time) are streamed into a cache directory, so a second run, or the

@@ -1,4 +1,4 @@
-"""The record writer: sidecars then document, each one zstd frame (format.md §3, D-19)."""
+"""The record writer: sidecars then document, each one zstd frame (format.md §2)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from skycap.trajectory import Trajectory
 logger = logging.getLogger(__name__)
 
 DecodeSpans = Callable[[list[int], list[int]], tuple[bytes, list[int]]]
-CONTEXT_TOKENS = 8  # graph.md §7.8: a node's text is decoded primed with its parent's last 8 tokens
+# format.md §6.1: a node's text is decoded primed with its parent's last 8 tokens
+CONTEXT_TOKENS = 8
 LEVEL = 3
 # One zstd worker thread compresses while this thread writes the file: the frame stays a
-# single frame with its content size (D-19), and writing costs about what compressing does.
+# single frame with its content size, and writing costs about what compressing does.
 THREADS = 1
 
 
@@ -42,7 +43,7 @@ def write_record(
 
     Synchronous and CPU-bound: the server runs it in a worker thread. Names come back
     sidecars first in kind order, document last (http.md §2.3). With `decode_spans`, token
-    nodes without text are decoded first and keep their text (graph.md §7.8).
+    nodes without text are decoded first and keep their text (format.md §6.1).
     """
     if not is_plain_name(trajectory.id):
         raise ValueError(f"trajectory id {trajectory.id!r} cannot name a record file")
@@ -77,10 +78,10 @@ def write_record(
 
 
 def finalise_text(trajectory: Trajectory, decode_spans: DecodeSpans) -> None:
-    """Decode every token node that has no text yet and keep what passes the §10.2 checks.
+    """Decode every token node that has no text yet and keep what passes the format.md §6.1 checks.
 
     A node whose decoding raises or yields bad offsets keeps no text and is written
-    without it (format.md §9); a later rewrite tries again.
+    without it (format.md §5); a later rewrite tries again.
     """
     graph = trajectory.graph
     for node in graph:
@@ -103,7 +104,7 @@ def finalise_text(trajectory: Trajectory, decode_spans: DecodeSpans) -> None:
 
 
 def text_problem(length: int, text: bytes, offsets: np.ndarray | None) -> str | None:
-    """Why per-token text offsets cannot be written (format.md §10.2), or None."""
+    """Why per-token text offsets cannot be written (format.md §6.1), or None."""
     if offsets is None:
         return "text without per-token offsets"
     if offsets.shape != (length,):
@@ -133,7 +134,7 @@ def _warn_no_text(trajectory_id: str, node: Node, reason: str) -> None:
 
 
 class _SidecarBuilder:
-    """Collects every token node's arrays as column pieces and assigns its slots (§9)."""
+    """Collects every token node's arrays as column pieces and assigns its slots (format.md §5)."""
 
     def __init__(self, trajectory_id: str) -> None:
         self.trajectory_id = trajectory_id
@@ -156,7 +157,7 @@ class _SidecarBuilder:
         self._zeros = np.empty(0, dtype=np.int32)
 
     def add(self, node: Node) -> dict[str, Any] | None:
-        """The node's `tokens` object (format.md §9, key order kept), its arrays queued."""
+        """The node's `tokens` object (format.md §5, key order kept), its arrays queued."""
         tokens = node.tokens
         if tokens is None:
             return None
@@ -214,7 +215,7 @@ class _SidecarBuilder:
                 f"{tokens.length} tokens; expected [{tokens.length}, layers, k]"
             )
         if self.experts_dtype is None:
-            # The first array fixes the column's dtype and (layers, k) (D-18); later ones cast.
+            # The first array fixes the column's dtype and (layers, k); later ones cast.
             self.experts_dtype = little_endian(experts.dtype, f"node {node.id} routed experts")
         elif experts.shape[1:] != self.experts[0].shape[1:]:
             raise ValueError(
@@ -252,7 +253,7 @@ class _SidecarBuilder:
         return entry
 
     def payloads(self) -> dict[str, Payload]:
-        """kind → payload for each kind that has data, in kind order (format.md §2)."""
+        """kind → payload for each kind that has data, in kind order (format.md §1)."""
         payloads = {}
         if self.has_tokens:
             payloads["tokens"] = Payload(
@@ -268,7 +269,7 @@ class _SidecarBuilder:
             payloads["experts"] = Payload(
                 [Column("routed_experts", self.experts_dtype, self.experts, item_shape)]
             )
-        if self.mask_row_cursor > 0:  # an all-empty mask writes no sidecar (format.md §14)
+        if self.mask_row_cursor > 0:  # an all-empty mask writes no sidecar (format.md §7)
             payloads["sampling_mask"] = Payload(
                 [
                     Column("ids", np.int32, self.mask_ids),
@@ -292,7 +293,7 @@ def _write_file(
     record_dir: Path, name: str, size: int, chunks: Iterable[bytes | np.ndarray]
 ) -> None:
     """Stream `size` bytes into one zstd frame with its content size and content checksum
-    (XXH64, verified by every zstd decoder) set (D-19, issue 17), then rename.
+    (XXH64, verified by every zstd decoder) set (issue 17), then rename.
 
     The frame goes to `.{name}.tmp` and is fsynced before the rename, so the final name
     only ever holds a complete file; on any error the temp file is removed.

@@ -370,7 +370,7 @@ class RolloutRunner:
                 else ""
             )
             return f"the trajectory ended {result.status}{why}"
-        calls = getattr(result, "calls", None)  # D-39: servers that report committed calls
+        calls = getattr(result, "calls", None)  # servers that report committed calls
         empty = calls == 0 if isinstance(calls, int) else not result.samples
         if empty and rollout.stop_reason != "context_length":
             return (

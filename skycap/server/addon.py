@@ -1,13 +1,12 @@
 """The skycap mitmproxy addon: routes control and harness requests over one trajectory store.
 
-It stays thin (docs/architecture.md): routing, body size (D-10) and mitmproxy's lifecycle
+It stays thin (docs/architecture.md): routing, body size and mitmproxy's lifecycle
 hooks live here; the harness routes (gate, retries, the call) in `harness`, control
 answers in `control`, forwarding in `textmode`, trajectories in `store`, proxy
 credentials and pass-through in `proxy`. A call captured through the proxy listener
 (`--proxy-port`) takes the same path as a `/t/{id}/v1` call; only where the trajectory
-id comes from differs (D-24). Built either from a ServerOptions (`skycap serve`,
-CaptureService) or, under `mitmdump -s addons/skycap.py`, from the `skycap_*` options
-(D-20).
+id comes from differs. Built either from a ServerOptions (`skycap serve`,
+CaptureService) or, under `mitmdump -s addons/skycap.py`, from the `skycap_*` options.
 """
 
 from __future__ import annotations
@@ -64,8 +63,8 @@ CHAT, MODELS, HARNESS_MISS, MISS, OVERSIZE = "chat", "models", "harness-miss", "
 MESSAGES, COUNT_TOKENS, RESPONSES = "messages", "count-tokens", "responses"
 RESPONSE_GET, COMPACT = "response-get", "compact"  # GET …/v1/responses/{id}; …/compact
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
-REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture (D-38)
-#: Model-call route kinds and the dialect that reads and answers each (D-29).
+REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture
+#: Model-call route kinds and the dialect that reads and answers each.
 CALL_DIALECTS: dict[str, Dialect] = {
     CHAT: CHAT_DIALECT,
     MESSAGES: MESSAGES_DIALECT,
@@ -74,7 +73,7 @@ CALL_DIALECTS: dict[str, Dialect] = {
 HARNESS_KINDS = frozenset(
     {*CALL_DIALECTS, COUNT_TOKENS, RESPONSE_GET, COMPACT, MODELS, HARNESS_MISS}
 )
-#: D-40: remote compaction is a model call skycap does not run yet; refused, never forwarded.
+#: Remote compaction is a model call skycap does not run yet; refused, never forwarded.
 COMPACT_REFUSAL = (
     "POST /v1/responses/compact (remote compaction) is not captured by skycap: the "
     "compacted history would be an opaque item no one could train on. Let the harness "
@@ -121,14 +120,18 @@ _ACCESS_TAILS = {
 
 
 def route(method: str, path: str) -> tuple[str, str | None]:
-    """(kind, trajectory id) for a request line; matching is exact (http.md §1, D-7)."""
+    """(kind, trajectory id) for a request line; matching is exact.
+
+    Anything else is a miss, answered 404 and never forwarded
+    (docs/http.md "The HTTP contract, as built").
+    """
     path = path.partition("?")[0]
     for prefix, (kinds, other) in _NAMED.items():
         if path.startswith(prefix):
             trajectory_id, _, tail = path[len(prefix) :].partition("/")
             kind = kinds.get((tail, method))
             if kind is None and other == HARNESS_MISS and tail.startswith("v1/responses/"):
-                kind = RESPONSE_GET if method == "GET" else None  # a stored response (D-40)
+                kind = RESPONSE_GET if method == "GET" else None  # a stored response
             return (other, None) if kind is None else (kind, trajectory_id)
     if path == "/healthz" and method == "GET":
         return HEALTH, None
@@ -138,7 +141,7 @@ def route(method: str, path: str) -> tuple[str, str | None]:
 
 
 def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
-    """The kind of a request through the proxy listener (D-24, D-38).
+    """The kind of a request through the proxy listener.
 
     Model calls are captured on any host, matched by suffix so deployment paths
     (`/openai/deployments/x/chat/completions`) are captured too. Any other request to a
@@ -166,7 +169,7 @@ def proxy_route(method: str, path: str, model_api_host: bool = False) -> str:
 
 
 def dialect_of(flow: http.HTTPFlow, kind: str) -> Dialect:
-    """The dialect whose error shape a harness-route caller reads (D-36).
+    """The dialect whose error shape a harness-route caller reads.
 
     A model call's route names it; on other harness routes (model list, an unknown path),
     an `anthropic-version` header says the caller is an Anthropic SDK.
@@ -303,7 +306,7 @@ class SkycapAddon:
         self.store.recover()
         self.store.start()
         if self.backend is not None:
-            await self.backend.start()  # learns the served model name (D-41)
+            await self.backend.start()  # learns the served model name
         assert self.options is not None
         try:
             port = listen_address(proxyserver, ReverseMode)[1]
@@ -342,7 +345,7 @@ class SkycapAddon:
         return path
 
     def close_to_calls(self) -> None:
-        """Shutdown's first step, before connections close (D-44): no trajectory takes calls."""
+        """Shutdown's first step, before connections close: no trajectory takes calls."""
         if self.store is not None and self.running_loop is not None:
             self.store.close_to_calls()
 
@@ -363,7 +366,7 @@ class SkycapAddon:
     # -- proxy listener --------------------------------------------------------------------------
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        """CONNECT names the tunnel's trajectory (D-24); mitmproxy refuses it in reverse mode."""
+        """CONNECT names the tunnel's trajectory; mitmproxy refuses it in reverse mode."""
         if self.proxy is not None and self.proxy.serves(flow):
             self.proxy.connect(flow)
 
@@ -380,7 +383,7 @@ class SkycapAddon:
                 flow.response.data.content = b""
 
     async def tcp_start(self, flow: tcp.TCPFlow) -> None:
-        """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits (D-43)."""
+        """A tunnel mitmproxy relays as raw TCP: only within the proxy's limits."""
         if self.proxy is not None and self.proxy.serves(flow):
             await self.proxy.tcp_start(flow)
 
@@ -412,7 +415,7 @@ class SkycapAddon:
     # -- request hooks -------------------------------------------------------------------------
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        """Route once; send a body announced as oversize to the drain sink, unread (D-10)."""
+        """Route once; send a body announced as oversize to the drain sink, unread."""
         if self._answered and not (flow.request.is_http2 or flow.request.is_http3):
             self._release_answered(flow.client_conn.id)  # HTTP/1: earlier answers are sent
         if self.proxy is not None and self.proxy.serves(flow):
@@ -446,7 +449,7 @@ class SkycapAddon:
             return
         try:
             await self._dispatch(flow, kind, trajectory_id)
-        except Exception as exc:  # answer, never fall through to the reverse target (D-7)
+        except Exception as exc:  # answer, never fall through to the reverse target
             logger.warning("%s %s failed: %r", flow.request.method, flow.request.path, exc)
             logger.debug("traceback", exc_info=True)
             _refuse(flow, kind, 500, f"internal error: {type(exc).__name__}: {exc}")
@@ -524,7 +527,7 @@ class SkycapAddon:
         return await self.control.document(trajectory_id)
 
     def _origin(self, flow: http.HTTPFlow) -> str:
-        """Where the caller reached us: the Host header if mitmproxy kept it (D-9)."""
+        """Where the caller reached us: the Host header if mitmproxy kept it."""
         scheme = "https" if flow.client_conn.tls_established else "http"
         host = flow.request.host_header if ctx.options.keep_host_header else None
         if not host:
@@ -566,7 +569,7 @@ class SkycapAddon:
                 if kind in (MODELS, COUNT_TOKENS, RESPONSE_GET):
                     self.text.on_forward_error(flow, dialect_of(flow, kind))
             else:
-                flow.metadata[HARNESS_LEFT] = True  # a token-mode call commits marked (D-52)
+                flow.metadata[HARNESS_LEFT] = True  # a token-mode call commits marked
         if (sent := flow.metadata.pop(SENT, None)) is not None:
             sent()  # the caller is gone: nothing left to wait for
         _release_request_body(flow)

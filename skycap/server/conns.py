@@ -6,7 +6,7 @@ here, in one place, on top of the proxyserver's connection handlers:
 * answer a harness call with skycap's own OpenAI-shaped 502 when the upstream connection
   fails or times out (mitmproxy would send its own HTML error page);
 * drop a harness connection (a sealed trajectory's call, http.md §6);
-* abort a hung upstream call (`--upstream-timeout`, D-11); killing a flow in transit is
+* abort a hung upstream call (`--upstream-timeout`); killing a flow in transit is
   not supported by mitmproxy (its issue 4711).
 
 It also finds the address each listener (reverse or proxy mode) actually bound.

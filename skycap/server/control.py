@@ -1,6 +1,6 @@
-"""The control routes of http.md §2 and D-7: each handler takes the request, returns an Answer.
+"""The control routes of http.md §2: each handler takes the request, returns an Answer.
 
-Every control route needs the control token as `Authorization: Bearer <token>` (D-30); only
+Every control route needs the control token as `Authorization: Bearer <token>`; only
 `GET /healthz` answers without one, and then only `{"ok": ...}` (liveness for probes).
 """
 
@@ -38,7 +38,7 @@ def _object_member(body: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-# The credential a control request presented (D-30).
+# The credential a control request presented.
 ACCEPTED, MISSING, HARNESS_KEY, WRONG = "accepted", "missing", "harness-key", "wrong"
 CHALLENGE = (
     (b"content-type", b"application/json"),
@@ -112,7 +112,7 @@ class Control:
 
     def liveness(self) -> Answer:
         """`GET /healthz` without a credential: whether the server is healthy, nothing more
-        (503 while a record cannot be written, D-44)."""
+        (503 while a record cannot be written)."""
         ok = self.store.health()["ok"]
         return Answer.json(200 if ok else 503, {"ok": ok})
 
@@ -122,11 +122,11 @@ class Control:
             health["proxy"] = self.proxy.health()
         if self._workers is not None:
             health["workers"] = {"ports": self._workers}
-        # D-44: a record that cannot be written makes the server unhealthy.
+        # A record that cannot be written makes the server unhealthy.
         return Answer.json(200 if health["ok"] else 503, health)
 
     def listing(self, ended: str | None = None) -> Answer:
-        """`GET /trajectories` (live, D-7) or `?ended=recent` (the ring of D-49)."""
+        """`GET /trajectories` (live) or `?ended=recent` (a bounded ring of recently ended ones)."""
         if ended is None:
             return Answer.json(200, self.store.listing())
         if ended != "recent":
@@ -136,7 +136,7 @@ class Control:
         return Answer.json(200, self.store.recent())
 
     def create(self, raw: bytes, origin: str) -> Answer:
-        """`origin` is `scheme://host[:port]` as the trainer reached us (D-9)."""
+        """`origin` is `scheme://host[:port]` as the trainer reached us."""
         try:
             meta = _object_member(_object_body(raw), "meta")
         except BodyError as exc:
@@ -145,7 +145,7 @@ class Control:
         created = {
             "id": live.id,
             "base_url": f"{origin}/t/{live.id}/v1",
-            "anthropic_base_url": f"{origin}/t/{live.id}",  # D-48: ANTHROPIC_BASE_URL
+            "anthropic_base_url": f"{origin}/t/{live.id}",  # ANTHROPIC_BASE_URL
             "api_key": live.api_key.decode("ascii"),
         }
         if self.proxy is not None:

@@ -1,4 +1,4 @@
-"""Where the proxy listener's pass-through may go (D-43): not this machine, unless allowed.
+"""Where the proxy listener's pass-through may go: not this machine, unless allowed.
 
 A harness's traffic that is not a model call passes through the proxy to its destination.
 Without limits that makes skycap a relay into the services of its own machine, so a

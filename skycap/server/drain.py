@@ -1,4 +1,4 @@
-"""A loopback sink that reads and discards an oversize request body, then answers 413 (D-10).
+"""A loopback sink that reads and discards an oversize request body, then answers 413.
 
 mitmproxy cannot answer a request before reading its body, and a client that is still
 sending would see a reset rather than the 413 if the connection were simply closed. So
@@ -17,7 +17,7 @@ from skycap.server.loopback import LoopbackServer
 from skycap.wire import control_error
 
 HARNESS_PATH = b"/harness"
-MESSAGES_HARNESS_PATH = b"/harness/messages"  # an Anthropic caller: its error shape (D-36)
+MESSAGES_HARNESS_PATH = b"/harness/messages"  # an Anthropic caller: its error shape
 CONTROL_PATH = b"/control"
 _READ = 1 << 20
 

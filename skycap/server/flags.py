@@ -1,6 +1,6 @@
 """The `skycap serve` flags and their mitmdump options, from one table so the two cannot drift.
 
-D-20: both command-line surfaces are generated from the single `FLAGS` table below; each
+Both command-line surfaces are generated from the single `FLAGS` table below; each
 flag sets one `ServerOptions` keyword (skycap/server/options.py).
 
 | CLI flag (`skycap serve`) | keyword (`ServerOptions`, `CaptureService`) | mitmdump `--set` |
@@ -24,30 +24,30 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--engine-wire WIRE` (`vllm`, `MODULE:CLASS`) | `engine` (a wire object) | `skycap_engine_wire` |
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
-| `--upstream-auth {bearer,x-api-key}` | `upstream_auth` (D-37) | `skycap_upstream_auth` |
-| `--model-api-host HOST` (repeat) | `model_api_hosts` (D-38) | `skycap_model_api_host` |
+| `--upstream-auth {bearer,x-api-key}` | `upstream_auth` | `skycap_upstream_auth` |
+| `--model-api-host HOST` (repeat) | `model_api_hosts` | `skycap_model_api_host` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
-| `--journal-fsync` | `journal_fsync` (D-44) | `skycap_journal_fsync` |
+| `--journal-fsync` | `journal_fsync` | `skycap_journal_fsync` |
 | `--record-mirror URL` | `record_mirror` | `skycap_record_mirror` |
 | `--record-mirror-config JSON` | `record_mirror_config` | `skycap_record_mirror_config` |
 | `--ttl SECONDS` | `ttl` | `skycap_ttl` |
 | `--path-rule [NAME=]MODULE:FUNCTION` (repeat) | `path_rules` (name -> rule) | `skycap_path_rule` |
 | `--require-api-key` | `require_api_key` | `skycap_require_api_key` |
-| `--max-body-size BYTES` | `max_body_size` (D-10) | `skycap_max_body_size` |
-| `--upstream-timeout SECONDS` | `upstream_timeout` (D-11) | `skycap_upstream_timeout` |
-| `--keepalive SECONDS` | `keepalive` (D-51) | `skycap_keepalive` |
+| `--max-body-size BYTES` | `max_body_size` | `skycap_max_body_size` |
+| `--upstream-timeout SECONDS` | `upstream_timeout` | `skycap_upstream_timeout` |
+| `--keepalive SECONDS` | `keepalive` | `skycap_keepalive` |
 | `--proxy-port PORT` | `proxy_port` (default None: off) | mitmproxy's `--mode regular@PORT` |
 | `--confdir DIR` | `confdir` (the proxy's CA) | mitmproxy's `--set confdir=DIR` |
 | `--control-token-env NAME` | `control_token` (read from NAME) | `skycap_control_token_env` |
 | `--control-token-file PATH` | `control_token_file` | `skycap_control_token_file` |
 | `--no-control-token` | `no_control_token` | `skycap_no_control_token` |
-| `--proxy-allow RULE` (repeat; HOST or CIDR[:PORT]) | `proxy_allow` (D-43) | `skycap_proxy_allow` |
-| `--proxy-deny RULE` (repeat) | `proxy_deny` (D-43) | `skycap_proxy_deny` |
+| `--proxy-allow RULE` (repeat; HOST or CIDR[:PORT]) | `proxy_allow` | `skycap_proxy_allow` |
+| `--proxy-deny RULE` (repeat) | `proxy_deny` | `skycap_proxy_deny` |
 | (none) | `renderer` (a ready renderer object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
 | (none) | `advertise_host` | (none) |
-| (none) | `sweep_interval` (D-13) | (none) |
+| (none) | `sweep_interval` | (none) |
 
 """
 

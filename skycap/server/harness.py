@@ -1,11 +1,11 @@
 """The harness routes of http.md §3: admit a call, check its body, de-duplicate retries, run it.
 
 The addon hands a model call (with its dialect, skycap.dialects) or a model-list call
-here once its body is read and within `--max-body-size` (D-10), whether it came as
-`/t/{id}/v1/...` or through the proxy listener (D-24). Text mode then forwards it with
+here once its body is read and within `--max-body-size`, whether it came as
+`/t/{id}/v1/...` or through the proxy listener. Text mode then forwards it with
 skycap's own client (`textmode`); token mode answers it from the token backend. Either
 way the call runs as its own task, so a client disconnect does not cancel it (http.md §5);
-the backend is told, at the commit, whether the harness is still there (D-52). A streamed
+the backend is told, at the commit, whether the harness is still there. A streamed
 token-mode retry of a call still running is answered from the stream sink at once, with
 keep-alives until the original's reply is there to send.
 """
@@ -66,7 +66,7 @@ def harness_error(
     dialect: Dialect = CHAT,
     param: str | None = None,
 ) -> None:
-    """Answer with the error body the caller's SDK reads, in its dialect (http.md §1, D-36)."""
+    """Answer with the error body the caller's SDK reads, in its dialect (http.md §1)."""
     respond(flow, status, dialect.error(status, message, code, param))
 
 
@@ -184,7 +184,7 @@ class Harness:
     async def _admit(
         self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
     ) -> Live | None:
-        """The gate, then whether this server can forward the call at all (D-8)."""
+        """The gate, then whether this server can forward the call at all."""
         live = await self._gate(flow, trajectory_id, proxied, dialect)
         if live is None or self.text is None or self.text.has_upstream or proxied:
             return live
@@ -196,7 +196,7 @@ class Harness:
     ) -> Live | None:
         """Steps 1-3 of http.md §3; answers the flow and returns None when a step fails.
 
-        Through the proxy, step 3 already happened on the proxy credentials (D-24): the
+        Through the proxy, step 3 already happened on the proxy credentials: the
         harness's own `Authorization` is whatever its SDK was configured with.
         """
         live = self.store.get(trajectory_id) if is_trajectory_id(trajectory_id) else None
@@ -258,7 +258,7 @@ class Harness:
         """(status, message, code) when `live` takes no more calls: at the gate, and again
         for a retry whose original ended (it may have been sealed while it waited).
 
-        D-44: closed to calls with its status unchanged (shutdown, or rebuilt from a crash
+        Closed to calls with its status unchanged (shutdown, or rebuilt from a crash
         journal and not yet written), or ended.
         """
         if live.closed is not None:
@@ -336,7 +336,7 @@ class Harness:
     ) -> None:
         """Run the turn as its own task (a client disconnect does not cancel it); sealing does.
 
-        A streamed call whose turn opens its stream (D-51) is re-targeted to the stream
+        A streamed call whose turn opens its stream is re-targeted to the stream
         sink and answered from there as it is generated; the turn settles when it ends.
         """
         stream = ReplyStream(self.keepalive) if request.stream and self.streams else None
@@ -432,7 +432,7 @@ def _count_replay(live: Live, found: Found) -> None:
 
 
 def _presence(flow: http.HTTPFlow, stream: ReplyStream | None) -> Callable[[], bool]:
-    """Whether the harness of `flow` is still there to receive its reply's end (D-52):
+    """Whether the harness of `flow` is still there to receive its reply's end:
     its connection is open and it has not left the flow or, streamed, the stream."""
     conn, metadata = flow.client_conn, flow.metadata
 

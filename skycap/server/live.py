@@ -42,7 +42,7 @@ class Live:
         self.unwritten = False
         # Failures already in `failures_total`: one read back from disk counts none again.
         self.counted_failures = len(trajectory.failures)
-        # Why it takes no more calls while its status stays as it is (D-44), else None.
+        # Why it takes no more calls while its status stays as it is, else None.
         self.closed: str | None = None
 
     @property
@@ -60,7 +60,7 @@ class Live:
                 cancel()
 
     def row(self, now: float) -> dict[str, Any]:
-        """Its `GET /trajectories` row (D-7, D-49)."""
+        """Its `GET /trajectories` row."""
         trajectory = self.trajectory
         graph = trajectory.graph
         failures = trajectory.failures

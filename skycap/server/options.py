@@ -1,6 +1,6 @@
 """The one options object that builds a capture server, for `skycap serve`, mitmdump and embedders.
 
-D-20: `skycap serve`, the `mitmdump -s addons/skycap.py` script and the embedded
+`skycap serve`, the `mitmdump -s addons/skycap.py` script and the embedded
 `CaptureService` all build their server from `ServerOptions`; the flags that set it, for
 both command lines, are the one table in skycap/server/flags.py.
 """
@@ -30,7 +30,7 @@ from skycap.server.flags import (
 )
 from skycap.tokens.options import TokenOptions
 
-#: D-38: hosts whose every uncaptured route is refused through the proxy, never forwarded.
+#: Hosts whose every uncaptured route is refused through the proxy, never forwarded.
 MODEL_API_HOSTS = (
     "api.openai.com",
     "api.anthropic.com",
@@ -55,7 +55,7 @@ class ServerOptions(TokenOptions):
     The token-mode options (and `upstream_url`, `api_key`, `upstream_timeout`, which both
     modes read) are TokenOptions', inherited. `upstream_url` may be given positionally;
     every other option is keyword-only, and an unknown keyword raises TypeError
-    (python-api.md §2).
+    (docs/python.md "CaptureService(upstream_url, **options)").
     """
 
     mode: str = "text"
@@ -166,7 +166,7 @@ class ServerOptions(TokenOptions):
     def _check_upstream(self) -> None:
         if not self.upstream_url:
             if self.mode == "text" and self.proxy_port is not None:
-                return  # D-8: calls through the proxy go to their original host
+                return  # calls through the proxy go to their original host
             raise ValueError(
                 f"{_name('upstream_url')} is required: the model server's OpenAI base URL "
                 "including /v1 (text mode) or the engine root (token mode); text mode with "
@@ -229,7 +229,7 @@ class ServerOptions(TokenOptions):
         object.__setattr__(self, "model_api_hosts", tuple(h.lower() for h in hosts))
 
     def _settle_control_token(self) -> None:
-        """D-30: the control token is the one given, else generated here, unless turned off."""
+        """The control token is the one given, else generated here, unless turned off."""
         if self.no_control_token:
             for key in ("control_token", "control_token_file"):
                 if getattr(self, key) is not None:
@@ -259,7 +259,7 @@ class ServerOptions(TokenOptions):
 
     @property
     def upstream_origin(self) -> tuple[str, str, int]:
-        """(scheme, host, port) of `upstream_url`, where harness calls are re-targeted (D-8)."""
+        """(scheme, host, port) of `upstream_url`, where harness calls are re-targeted."""
         assert self.upstream_url, "no upstream_url (text mode behind --proxy-port only)"
         parts = urlsplit(self.upstream_url)
         assert parts.hostname is not None
@@ -273,7 +273,8 @@ class ServerOptions(TokenOptions):
 
     @property
     def binds_beyond_loopback(self) -> bool:
-        """Whether `host` is reachable from other machines (D-6 logs this as a warning)."""
+        """Whether `host` is reachable from other machines (binding wider is logged as a
+        warning)."""
         if self.host in ("localhost",):
             return False
         try:

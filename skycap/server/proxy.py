@@ -3,7 +3,7 @@
 A harness that cannot change its base URL runs with `HTTPS_PROXY=http://<id>:<key>@host:port`
 and `SSL_CERT_FILE=<bundle>` (the `env` that `POST /trajectories` returns). skycap, not
 mitmproxy's `proxyauth` addon, owns the credential check, so refusals carry skycap's own
-messages (D-24):
+messages:
 
 * at CONNECT, missing, malformed, unknown or wrong credentials get 407 with
   `Proxy-Authenticate: Basic realm="skycap"`; the key is always checked, whatever
@@ -15,12 +15,12 @@ messages (D-24):
 
 Inside a tunnel, model calls (Chat Completions, Anthropic Messages and its count_tokens,
 model lists) are captured by the addon exactly like `/t/{id}/v1` calls, on any host. Any
-other request to a model-API host (`--model-api-host`, D-38) is refused in the caller's
+other request to a model-API host (`--model-api-host`) is refused in the caller's
 error shape and never forwarded with the harness's key; everything else passes through
 unchanged (streamed both ways, never buffered). Refusals and pass-throughs are each an
 `info` line and a per-host count in /healthz. Passing through needs an open trajectory, so
 an ended trajectory's id, which is no secret, never turns skycap into an open relay; and it
-never reaches loopback or link-local addresses unless `--proxy-allow` says so (D-43,
+never reaches loopback or link-local addresses unless `--proxy-allow` says so (its
 `destinations`). A tunnel that carries something other than HTTP (raw TCP) obeys the
 same two rules.
 """
@@ -109,7 +109,7 @@ class Proxy:
         """The trajectory id that `Proxy-Authorization` names; raises ProxyAuthRequired.
 
         An open trajectory needs its key (constant-time compare); an ended one is named
-        by its id alone (D-24: its calls then get 410, never a silent pass).
+        by its id alone (its calls then get 410, never a silent pass).
         """
         if not header:
             raise ProxyAuthRequired(MISSING)
@@ -156,12 +156,12 @@ class Proxy:
     # -- traffic that is not captured ----------------------------------------------------------
 
     def model_api_host(self, host: str) -> bool:
-        """Whether `host` is a model-API host (D-38): its uncaptured routes are refused."""
+        """Whether `host` is a model-API host: its uncaptured routes are refused."""
         host = host.lower().rstrip(".")
         return any(fnmatch.fnmatchcase(host, pattern) for pattern in self.model_api_hosts)
 
     def refuse(self, flow: http.HTTPFlow, trajectory_id: str, dialect: Dialect) -> None:
-        """Answer an uncaptured route of a model-API host: 403, never forwarded (D-38)."""
+        """Answer an uncaptured route of a model-API host: 403, never forwarded."""
         request = flow.request
         route = f"{request.method} {request.host}{request.path.partition('?')[0]}"
         self.refused[request.host] += 1
@@ -180,7 +180,7 @@ class Proxy:
         """Stream a request the harness makes beside its model calls, unchanged; count its host.
 
         An ended trajectory's proxy forwards nothing more: 410 `trajectory_closed`; a
-        destination on this machine is 403 `destination_refused` (D-43).
+        destination on this machine is 403 `destination_refused`.
         """
         live = self.store.get(trajectory_id)
         if live is None or not live.trajectory.is_open:
@@ -232,7 +232,7 @@ class Proxy:
             "env": {
                 "HTTPS_PROXY": proxy_url,
                 "SSL_CERT_FILE": str(self.ca.bundle),
-                # D-48: Node (Claude Code, the Node SDKs) and Codex read their own names.
+                # Node (Claude Code, the Node SDKs) and Codex read their own names.
                 "NODE_EXTRA_CA_CERTS": str(self.ca.bundle),
                 "NODE_USE_ENV_PROXY": "1",
                 "CODEX_CA_CERTIFICATE": str(self.ca.bundle),

@@ -3,7 +3,7 @@
 `Records` is what `TrajectoryStore` asks of the record directory: whether a record is
 there, writing one atomically in a worker thread (then handing exactly those files to the
 record mirror, and dropping the crash journal), reading one back to end or show it, the
-journal line of each committed call, and where a record is (`record` objects, D-44).
+journal line of each committed call, and where a record is (`record` objects).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from skycap.trajectory import Trajectory, is_trajectory_id
 
 logger = logging.getLogger("skycap.server")
 #: Set by the `skycap serve --workers N` supervisor, which replays the crash journals once
-#: before its workers start (D-44): the workers then do not race to replay them.
+#: before its workers start: the workers then do not race to replay them.
 JOURNALS_REPLAYED_VARIABLE = "SKYCAP_JOURNALS_REPLAYED"
-# How often records that could not be written are tried again (D-44).
+# How often records that could not be written are tried again.
 RETRY_INTERVAL = 5.0
 DecodeSpans = Callable[..., Any]
 
@@ -64,7 +64,7 @@ class Records:
         if options.record_mirror is not None:
             self.mirror = RecordMirror(options.record_mirror, options.mirror_config)
 
-    # -- the crash journal (D-44) ------------------------------------------------------------
+    # -- the crash journal ------------------------------------------------------------
 
     def open_journal(self, trajectory: Trajectory) -> None:
         """Start a new trajectory's journal; a failure is logged and its first call retries."""
@@ -101,7 +101,7 @@ class Records:
                 logger.warning("the crash journal of %s is written again", trajectory.id)
 
     def replay(self) -> list[Trajectory]:
-        """Replay the crash journals of servers that stopped without writing (D-44), each
+        """Replay the crash journals of servers that stopped without writing, each
         written as a record `ended: false`; return those whose record could not be written.
 
         Nothing is replayed without a record directory, or when a `serve --workers`
@@ -124,7 +124,7 @@ class Records:
         """Write off the event loop, then drop its journal; None (logged) when it failed.
         With `hold`, the mirror's copy waits for `mirror.release` (a finish's answer).
 
-        A failed write is an error (D-44): the trajectory stays in memory, `/healthz`
+        A failed write is an error: the trajectory stays in memory, `/healthz`
         answers 503 and the write is retried; a retry's failure is logged at debug only.
         """
         assert self.directory is not None

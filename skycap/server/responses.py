@@ -1,4 +1,4 @@
-"""Responses statefulness on the server (D-40): where a `previous_response_id` call goes.
+"""Responses statefulness on the server: where a `previous_response_id` call goes.
 
 Every Responses call records its reply's id (`response_id`) on its model node, so a later
 call naming it as `previous_response_id` continues from that node: its history is the

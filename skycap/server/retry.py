@@ -1,4 +1,4 @@
-"""The per-trajectory SDK retry cache of http.md §5 and D-12 (in memory, never persisted).
+"""The per-trajectory SDK retry cache of http.md §5 (in memory, never persisted).
 
 Every chat call registers an entry under its key and settles it with a replayable reply or
 with nothing; only the lookup is conditional (a retry count > 0 or an Idempotency-Key).

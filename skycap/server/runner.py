@@ -30,13 +30,13 @@ logger = logging.getLogger("skycap.server")
 # mitmproxy logs every connection at INFO, and httpcore builds DEBUG records per request
 # (the cost is measured in docs/notes): keep them at WARNING unless skycap itself is at DEBUG.
 CHATTY_LOGGERS = ("mitmproxy", "httpx", "httpcore", "hpack")
-# The reverse listener's target is never contacted (D-8: the addon answers or re-targets
+# The reverse listener's target is never contacted (the addon answers or re-targets
 # every flow); without an upstream URL (text mode behind the proxy) it names the discard port.
 NO_TARGET = "http://127.0.0.1:9"
 
 
 def quiet_third_party_loggers() -> None:
-    """D-15: mitmproxy's and the HTTP clients' chatter stays below warning unless asked for."""
+    """Mitmproxy's and the HTTP clients' chatter stays below warning unless asked for."""
     wanted = logging.getLogger("skycap").getEffectiveLevel()
     level = wanted if wanted <= logging.DEBUG else logging.WARNING
     for name in CHATTY_LOGGERS:
@@ -53,7 +53,7 @@ def _drop_bind_errors(record: logging.LogRecord) -> bool:
 
 
 def settle_garbage_collector() -> None:
-    """Freeze start-up objects and collect young garbage less often (D-27).
+    """Freeze start-up objects and collect young garbage less often.
 
     A server keeps long histories and many call records alive; with the default threshold
     the collector's work grows with them. `skycap serve` calls this once it is listening:
@@ -143,7 +143,7 @@ async def serve(
         await (stop_event or asyncio.Event()).wait()
     finally:
         await server.servers.update([])
-        # D-44: trajectories close to calls, then keep-alive connections close, and only
+        # Trajectories close to calls, then keep-alive connections close, and only
         # then (mitmproxy's `done` hook) are records written: nothing answered is missed.
         for addon in addons or master.addons.chain:
             close = getattr(addon, "close_to_calls", None)

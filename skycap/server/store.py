@@ -2,7 +2,7 @@
 
 Everything here runs on the server's event loop; record writes and reads go to worker
 threads through `records.Records`, so a large record never stalls other trajectories' calls.
-A per-trajectory lock serialises finish, the TTL sweep and shutdown writes (D-13).
+A per-trajectory lock serialises finish, the TTL sweep and shutdown writes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from skycap.trajectory import (
 logger = logging.getLogger("skycap.server")
 
 UNKNOWN = "unknown trajectory"
-# Why a trajectory in memory takes no more calls though its status is unchanged (D-44).
+# Why a trajectory in memory takes no more calls though its status is unchanged.
 SHUTTING_DOWN = "the capture server is shutting down; this call was not made"
 REPLAYED = (
     "trajectory was rebuilt from the crash journal after the server stopped; it takes no "
@@ -56,13 +56,13 @@ REPLAYED = (
 )
 # How many ended trajectories' context_length_exceeded flags a server remembers (ids only).
 CONTEXT_EXCEEDED_KEPT = 100_000
-#: Trajectories ended in this process that `GET /trajectories?ended=recent` lists (D-49).
+#: Trajectories ended in this process that `GET /trajectories?ended=recent` lists.
 RECENT_ENDED = 256
 Release = Callable[[str], Awaitable[None]]
 
 
 class TrajectoryStore:
-    """Creates, finds, finishes and writes trajectories; counts calls for /healthz (D-7)."""
+    """Creates, finds, finishes and writes trajectories; counts calls for /healthz."""
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class TrajectoryStore:
         self._sweeper: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
         self.closing = False
-        # Trajectories whose record could not be written by the end of shutdown (D-44).
+        # Trajectories whose record could not be written by the end of shutdown.
         self.lost: list[str] = []
         self.calls_total = 0
         self.tokens_total = 0
@@ -130,7 +130,7 @@ class TrajectoryStore:
             "latency_ms": round((call["t_end"] - call["t_start"]) * 1000.0, 3),
             "finish_reason": call.get("finish_reason"),
         }
-        # Before the answer leaves (D-44): a killed server still has this call.
+        # Before the answer leaves: a killed server still has this call.
         self.records.journal_call(live.trajectory, live.calls)
 
     def note_failure(self, live: Live, status: int | None, error: str) -> None:
@@ -153,7 +153,7 @@ class TrajectoryStore:
             self._failures_total += added
             live.counted_failures += added
 
-    # -- finish (http.md §2.3, D-13) -------------------------------------------------------------
+    # -- finish (http.md §2.3) -------------------------------------------------------------
 
     def known_rule(self, name: str) -> bool:
         return name in BUILTIN_RULES or name in self.options.rules
@@ -164,7 +164,7 @@ class TrajectoryStore:
     async def finish(
         self, trajectory_id: str, annotations: dict[str, Any], paths: str | None
     ) -> Answer:
-        """Steps 1-6 of http.md §2.3; `paths` is None when the request gave none (D-13)."""
+        """The steps of http.md §2.3 and its answer; `paths` is None when the request gave none."""
         if not is_trajectory_id(trajectory_id):
             return Answer.error(404, UNKNOWN)
         async with self._lock_for(trajectory_id):
@@ -273,7 +273,7 @@ class TrajectoryStore:
                 del self._context_exceeded[next(iter(self._context_exceeded))]
 
     def _adopt(self, trajectory: Trajectory) -> Live:
-        """Keep a trajectory read from disk in memory after its rewrite failed (§2.3 step 5)."""
+        """Keep a trajectory read from disk in memory after its rewrite failed (http.md §2.3)."""
         live = Live(trajectory, new_api_key(), self._lock_for(trajectory.id))
         self._live[trajectory.id] = live
         return live
@@ -288,7 +288,8 @@ class TrajectoryStore:
             return
         try:
             await self._release(trajectory_id)
-        except Exception as exc:  # best effort (http.md §11): a release never fails a finish
+        except Exception as exc:
+            # Best effort (docs/tokens.md "Engines and renderers"): a release never fails a finish.
             logger.warning("releasing engine state of %s failed: %s", trajectory_id, exc)
 
     async def _load(self, trajectory_id: str) -> Trajectory | Answer:
@@ -324,7 +325,7 @@ class TrajectoryStore:
         return Answer.json(200, self.records.location(trajectory_id))
 
     def listing(self) -> list[dict[str, Any]]:
-        """The live trajectories, newest first, with the fields of D-7 and D-49."""
+        """The live trajectories, newest first, with the fields of http.md §2.2."""
         now = time.time()
         lives = sorted(self._live.values(), key=lambda x: x.trajectory.created_at, reverse=True)
         return [live.row(now) for live in lives]
@@ -336,7 +337,7 @@ class TrajectoryStore:
     def _note_ended(
         self, trajectory: Trajectory, live: Live | None, record: dict[str, Any] | None
     ) -> None:
-        """Remember a trajectory that ended now (finish or TTL) for `recent()` (D-49)."""
+        """Remember a trajectory that ended now (finish or TTL) for `recent()`."""
         if live is None:  # read back from disk: it ended in an earlier process
             return
         self.ended_total += 1
@@ -350,7 +351,7 @@ class TrajectoryStore:
         self._recent.append(row)
 
     def unwritten(self) -> list[str]:
-        """Ids of trajectories whose record could not be written yet (D-44)."""
+        """Ids of trajectories whose record could not be written yet."""
         return [live.id for live in self._live.values() if live.unwritten]
 
     def health(self) -> dict[str, Any]:
@@ -380,7 +381,7 @@ class TrajectoryStore:
             self._retrier = loop.create_task(self._retry_forever())
 
     def recover(self) -> None:
-        """Replay the crash journals of servers that stopped without writing (D-44).
+        """Replay the crash journals of servers that stopped without writing.
 
         Each comes back as a record written `ended: false`, which can be finished and takes
         no calls; one that cannot be written stays in memory, closed, and is retried. It
@@ -401,7 +402,7 @@ class TrajectoryStore:
                 logger.exception("retrying unwritten records failed")
 
     async def retry_unwritten(self) -> None:
-        """Try again to write each record that could not be written (D-44)."""
+        """Try again to write each record that could not be written."""
         for live in list(self._live.values()):
             if not live.unwritten:
                 continue
@@ -449,7 +450,7 @@ class TrajectoryStore:
         logger.info("trajectory %s ended by the idle TTL as %s", trajectory.id, trajectory.status)
 
     def close_to_calls(self) -> None:
-        """The first step of a shutdown (D-44): every trajectory takes no more calls (they
+        """The first step of a shutdown: every trajectory takes no more calls (they
         get 503) with its status unchanged, and calls in flight are cancelled, so nothing
         is answered that its record would not hold."""
         self.closing = True
@@ -504,7 +505,7 @@ class TrajectoryStore:
 
 
 SHUTDOWN_FAILURE = "the server shut down before the call's reply arrived"
-#: D-39: a trajectory that ends with nothing captured says so.
+#: A trajectory that ends with nothing captured says so.
 NO_CALLS_WARNING = "no model call was captured"
 
 
@@ -522,7 +523,7 @@ def _finish_body(trajectory: Trajectory, rows: list, record: dict[str, Any] | No
         "context_length_exceeded": trajectory.context_length_exceeded,
     }
     if calls == 0:
-        body["warnings"] = [NO_CALLS_WARNING]  # D-39
+        body["warnings"] = [NO_CALLS_WARNING]  # an empty trajectory says so
     return orjson.dumps(body)
 
 

@@ -1,4 +1,4 @@
-"""A loopback server that sends streamed token-mode replies as they are written (D-51).
+"""A loopback server that sends streamed token-mode replies as they are written.
 
 mitmproxy sends a response the addon builds in one piece, so a reply generated while the
 harness waits is served from here instead: the harness's flow is re-targeted to

@@ -1,8 +1,8 @@
-"""Text mode (http.md §7): forward harness calls upstream and tap the replies.
+"""Text mode (http.md §3.1): forward harness calls upstream and tap the replies.
 
 Model calls (chat, Messages, Responses) go upstream with skycap's own pooled client
 (`upstream.py`) on a task of their own, with the raw body unchanged, so a harness that
-disconnects does not cancel them (D-52): the reply is read to its end and committed,
+disconnects does not cancel them: the reply is read to its end and committed,
 marked `harness_saw_end: false`, and settles the retry entry replayable. A non-streamed
 reply is committed before the harness gets it; a streamed one reaches the harness through
 the loopback relay (`relay.py`), holding back the tail from the first chunk that ends the
@@ -37,7 +37,7 @@ from skycap.text.commit import commit_text_call
 
 logger = logging.getLogger("skycap.server")
 
-# http.md §7.1: headers the harness sent that never reach the model server as they were.
+# http.md §3.1: headers the harness sent that never reach the model server as they were.
 _DROPPED = frozenset(
     {
         b"authorization",
@@ -84,10 +84,10 @@ class TextMode:
         self.tasks: set[asyncio.Task[None]] = set()  # calls still running, for close()
 
     def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
-        """Send the flow on with the header rules of http.md §7.1.
+        """Send the flow on with the header rules of http.md §3.1.
 
         With an upstream URL, to `{upstream base}{suffix}`; without one (a call through
-        the proxy listener, D-8), to the host, port and path the harness asked for.
+        the proxy listener), to the host, port and path the harness asked for.
         """
         data = flow.request.data
         if self.has_upstream:
@@ -108,7 +108,7 @@ class TextMode:
         data.headers.fields = kept + added + length
 
     def _auth(self, host: str) -> tuple[tuple[bytes, bytes], ...]:
-        """The upstream key's header for `host` (D-37): `x-api-key` for api.anthropic.com or
+        """The upstream key's header for `host`: `x-api-key` for api.anthropic.com or
         with `--upstream-auth x-api-key`, else a Bearer token (all vLLM's auth reads)."""
         if self._key is None:
             return ()
@@ -265,7 +265,7 @@ class TextCall:
         self.live = None  # type: ignore[assignment]  # nor keep the trajectory once over
 
     def cancel(self) -> None:
-        """The trajectory was sealed: commit nothing, drop the harness connection (§6)."""
+        """The trajectory was sealed: commit nothing, drop the harness connection (http.md §6)."""
         if self.over:
             return
         self._end()
@@ -354,7 +354,7 @@ class TextCall:
             return
         if self.stream is not None:
             error = f"upstream stream interrupted: {detail}"
-            # A failed, not a short, stream: the dialect's error event ends it (D-36).
+            # A failed, not a short, stream: the dialect's error event ends it.
             failure = self.dialect.stream_failure(self.assembler, error)
             self._fail(None, error)
             self._end()
@@ -366,7 +366,7 @@ class TextCall:
         body = self.dialect.error(502, f"upstream unavailable: {detail}")
         self._answer(http.Response.make(502, body, {"content-type": "application/json"}))
 
-    # -- non-streamed replies (http.md §7.2) ---------------------------------------------------
+    # -- non-streamed replies (http.md §3.1) ---------------------------------------------------
 
     def _complete_reply(self, response: http.Response, body: bytes) -> None:
         """The whole reply is here and not yet sent on: commit it or record why not."""
@@ -394,7 +394,7 @@ class TextCall:
         self._end(replay)
         self._answer(response)
 
-    # -- streamed replies (http.md §7.3) --------------------------------------------------------
+    # -- streamed replies (http.md §3.1) --------------------------------------------------------
 
     async def _relay(self, exchange: Exchange) -> None:
         """Pass chunks on, hold back the tail from the first `finish_reason`, commit, release.
@@ -434,8 +434,8 @@ class TextCall:
     def _complete_stream(self, assembler: Any, fields: list[tuple[bytes, bytes]]) -> None:
         """[DONE] or the end of the body: commit (or record why not), then release the tail.
 
-        A stream the harness read to its end is not replayable (its retry samples again,
-        D-12); one whose harness went away is, as the SSE it was (D-52).
+        A stream the harness read to its end is not replayable (its retry samples
+        again); one whose harness went away is, as the SSE it was.
         """
         if self.over:
             return

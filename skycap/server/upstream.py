@@ -4,7 +4,7 @@ A general-purpose client (httpx over httpcore) costs several times what mitmprox
 forwarding does per call (docs/performance.md), so model calls use this one: it writes
 the request mitmproxy already holds (re-targeted by `textmode`) with mitmproxy's own
 HTTP/1 assembler and parser, and reads the body as it comes, de-chunked. Every read is
-bounded by `--upstream-timeout` (time without progress, D-11).
+bounded by `--upstream-timeout` (time without progress).
 """
 
 from __future__ import annotations

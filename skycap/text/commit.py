@@ -1,4 +1,4 @@
-"""The text-mode commit: place one call's messages and reply in the graph (graph.md §6)."""
+"""The text-mode commit: place one call's messages and reply in the graph (graph.md §1)."""
 
 from __future__ import annotations
 

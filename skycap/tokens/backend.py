@@ -2,7 +2,7 @@
 
 The server routes and gates requests (http.md §3) and hands a call read by its dialect
 (skycap.dialects) here; `call` takes the per-trajectory turn lock and runs the turn
-(skycap.tokens.turn: plan, engine call, commit and reply, http.md §9), answering in the
+(skycap.tokens.turn: plan, engine call, commit and reply, http.md §3.2), answering in the
 call's dialect. Renderer work runs on the renderer pool's worker threads, never on the
 event loop; the HTTP calls to the engine are skycap.tokens.client's.
 """
@@ -50,7 +50,7 @@ class TokenBackend:
 
     @property
     def capture(self) -> dict[str, Any]:
-        """The `capture` object of every token-mode trajectory (format.md §6)."""
+        """The `capture` object of every token-mode trajectory (format.md §4)."""
         settings = self.settings
         return {
             "mode": "tokens",
@@ -67,7 +67,7 @@ class TokenBackend:
         return self.served.name
 
     async def start(self) -> None:
-        """Learn the served model name from the engine's `/v1/models` (D-41), briefly.
+        """Learn the served model name from the engine's `/v1/models`, briefly.
 
         Retries with backoff for a few seconds here; if the engine is not up yet, keeps
         retrying in the background, and the first call asks again.
@@ -84,13 +84,13 @@ class TokenBackend:
         stream: ReplyStream | None = None,
         harness_present: Callable[[], bool] | None = None,
     ) -> Reply:
-        """Run one turn for a call read by `dialect` (http.md §9.2); always returns a Reply.
+        """Run one turn for a call read by `dialect` (http.md §3.2); always returns a Reply.
 
         With `stream` (a streamed call), the reply is written there as it is generated once
         nothing can refuse the call; a failure after that ends it with the dialect's error
         event. The Reply returned is then the whole stream, for retries to replay.
         `harness_present`, asked at the commit, says whether the harness is still there to
-        receive the reply's end; a call committed without it is marked (D-52).
+        receive the reply's end; a call committed without it is marked.
         """
         state = self._states.setdefault(trajectory.id, TrajectoryState())
         async with state.lock:
@@ -132,7 +132,7 @@ class TokenBackend:
         return len(rendered.token_ids)
 
     async def models(self) -> Reply:
-        """`GET /t/{id}/v1/models` (http.md §9.9)."""
+        """`GET /t/{id}/v1/models` (http.md §3.2)."""
         if self.model:
             listing = {
                 "object": "list",
@@ -148,7 +148,8 @@ class TokenBackend:
         return Reply(response.status_code, {"content-type": content_type}, response.content)
 
     async def release(self, trajectory_id: str) -> None:
-        """Drop the trajectory's turn state and release the engine's (best effort, http.md §11)."""
+        """Drop the trajectory's turn state and release the engine's
+        (best effort, docs/tokens.md "Engines and renderers")."""
         self._states.pop(trajectory_id, None)
         await self.client.release(trajectory_id)
 
@@ -159,7 +160,7 @@ class TokenBackend:
         await asyncio.to_thread(self._pool.close)
 
     def decode_spans(self, token_ids: Any, context: Any = ()) -> tuple[bytes, list[int]]:
-        """Decode a node's tokens with byte offsets (format.md §10.2); blocking, thread-safe.
+        """Decode a node's tokens with byte offsets (format.md §6.1); blocking, thread-safe.
 
         For the record writer, which calls it from a worker thread; it holds a renderer
         slot like any other renderer work.

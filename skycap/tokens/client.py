@@ -180,7 +180,8 @@ def engine_status_message(status: int, body: str) -> str:
     the call failed (a 404 from a wrong --upstream-url, an engine's validation error).
 
     The excerpt is the body with whitespace collapsed, cut to ENGINE_EXCERPT_LIMIT
-    characters; the failure entry keeps the body itself (http.md §9.8).
+    characters; the failure entry keeps the body itself
+    (docs/tokens.md "Outcomes the harness sees").
     """
     excerpt = " ".join(body.split())
     if len(excerpt) > ENGINE_EXCERPT_LIMIT:

@@ -1,8 +1,9 @@
-"""The token-mode commit: a planned turn plus the engine's answer become nodes (graph.md §7.6-§7.7).
+"""The token-mode commit: a planned turn plus the engine's answer become nodes
+(docs/architecture.md "Token mode").
 
-Everything is validated before the first node is added (D-16), so a CommitError leaves
+Everything is validated before the first node is added, so a CommitError leaves
 the graph exactly as it was; the caller then records `token attribution: <message>` and
-seals the trajectory `failed` (graph.md §8).
+seals the trajectory `failed` (docs/tokens.md "Outcomes the harness sees").
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def commit_turn(
 
     `message` is the reply as stored on the model node; `call` is the call record without
     `tools` and `bridged`, which are filled in here. `experts_shape` is (layers, k) fixed by
-    the trajectory's first call with routed experts (D-18), or None before it.
+    the trajectory's first call with routed experts, or None before it.
     """
     if not trajectory.is_open:
         return None
@@ -78,7 +79,8 @@ def commit_turn(
 def _check_turn(
     plan: Plan, output: EngineOutput, total: int, experts_shape: tuple[int, ...] | None
 ) -> None:
-    """Every check of graph.md §7.6-§7.7 and D-16/D-18, before anything is added."""
+    """Every check of docs/architecture.md "Token mode" (attribution, expert rows), before anything
+    is added."""
     planned = plan.reused + sum(len(new.ids) for new in plan.new) + len(plan.scaffold)
     if planned != len(plan.prompt_ids):
         raise CommitError(

@@ -6,7 +6,7 @@ readers, the session header, the abort and release requests and the served-model
 one module with a class of its own, chosen with `--engine-wire MODULE:CLASS`
 (docs/tokens.md, "Engines and renderers"). No HTTP happens here: skycap.tokens.client
 moves the bytes the wire names, and the turn hands the decoded replies back to it
-(http.md §9.3, §10, §11).
+(http.md §3.2, docs/tokens.md "The engine: vLLM").
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ EXPERT_DTYPES = ("uint8", "uint16")
 #: uint16 when every id fits, which is lossless and the same dtype on every call.
 WIDE_EXPERT_DTYPES = ("int32",)
 #: vLLM's "no logprob" value (serving.py `_clamp_logprob` and the missing-entry default in
-#: both versions); never a real logprob, so it is stored as NaN (D-41).
+#: both versions); never a real logprob, so it is stored as NaN.
 MISSING_LOGPROB = -9999.0
 #: Finish reasons vLLM sends (v1/engine/__init__.py FINISH_REASON_STRINGS), as skycap reads
-#: them: `repetition` (repetitive n-gram detection) is a normal stop (D-41); `abort` and
+#: them: `repetition` (repetitive n-gram detection) is a normal stop; `abort` and
 #: `error` are engine failures.
 FINISH_AS = {"stop": "stop", "length": "length", "repetition": "stop"}
 FAILED_FINISH = ("abort", "error")
@@ -45,7 +45,7 @@ class EngineError(Exception):
 
 @dataclass
 class EngineOutput:
-    """One completion as the engine reported it (http.md §11)."""
+    """One completion as the engine reported it (docs/tokens.md "Engines and renderers")."""
 
     completion_ids: list[int]
     logprobs: list[float]
@@ -76,11 +76,11 @@ def merge_sampling(
     room: int | None,
     stop_token_ids: Sequence[int],
 ) -> dict[str, Any]:
-    """Merge caller parameters and `--sampling-overrides` (http.md §9.3 steps 1-4).
+    """Merge caller parameters and `--sampling-overrides` (http.md §3.2).
 
     `room` is `max_model_len - len(prompt)` when `--max-model-len` is set, else None.
     The result includes `stop_token_ids` (the renderer's unless an override set them); the
-    call records the dict *without* `stop_token_ids` (§9.3 step 6).
+    call records the dict *without* `stop_token_ids`.
     """
     merged = {**_fold_max_completion_tokens(caller), **_fold_max_completion_tokens(overrides)}
     if room is not None:
@@ -223,12 +223,12 @@ class VLLMEngine:
         routes_from: int = 0,
         features: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The request body of http.md §10.1 for the merged `sampling` dict.
+        """The request body of docs/tokens.md "The engine: vLLM" for the merged `sampling` dict.
 
         Keys outside `sampling_keys` are dropped from the wire (they stay recorded);
         `logprobs: 0` is always sent. `stop` strings are never sent: a `--tokens-only` vLLM
         refuses them (token_in_token_out/serving.py `serve_tokens`) and skycap applies them
-        itself (D-41, skycap.tokens.stops). `sampling_mask` is ignored: vLLM returns masks
+        itself (skycap.tokens.stops). `sampling_mask` is ignored: vLLM returns masks
         when started with `--return-sampling-mask`. `model` is the served name (learned or
         `--model`), never the harness's own name, which vLLM answers with 404.
         """
@@ -284,7 +284,8 @@ class VLLMEngine:
         return openai_model_ids(body)
 
     def parse(self, body: Any, *, routes_from: int = 0) -> EngineOutput:
-        """Validate the decoded reply (http.md §10.3), then read side channels."""
+        """Validate the decoded reply (docs/tokens.md "The engine: vLLM"), then read side
+        channels."""
         choices = body.get("choices") if isinstance(body, dict) else None
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             raise EngineError("expected exactly one choice")

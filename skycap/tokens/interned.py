@@ -1,4 +1,4 @@
-"""The token lists kept between turns for the next plan's bridge, with shared ints (D-27).
+"""The token lists kept between turns for the next plan's bridge, with shared ints.
 
 Every int the tokenizer or the JSON parser makes is a separate 32-byte object; a kept
 list whose ids are the shared objects of one table costs 8 bytes a token instead.
@@ -13,7 +13,7 @@ from skycap.graph import Graph
 from skycap.tokens.engine import EngineOutput
 from skycap.tokens.plan import Plan, TurnLists
 
-#: Token ids below this share one int object each in the lists kept between turns (D-27);
+#: Token ids below this share one int object each in the lists kept between turns;
 #: the table grows to the largest id seen, at most 2**18 entries (~10 MB), once per process.
 SHARED_INT_LIMIT = 1 << 18
 _SHARED_INTS: list[int] = []
@@ -23,7 +23,7 @@ _SHARED_INTS_GROWING = threading.Lock()
 def turn_lists(
     graph: Graph, node_id: int, plan: Plan, output: EngineOutput, last: TurnLists | None
 ) -> TurnLists:
-    """The committed turn's token lists for the next plan's bridge, with shared ints (D-27).
+    """The committed turn's token lists for the next plan's bridge, with shared ints.
 
     A plan that bridged from `last`'s node got its first `reused` ids from `last`'s lists,
     so only the ids after them are new objects to replace.

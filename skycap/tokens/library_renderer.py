@@ -19,7 +19,8 @@ class LibraryRenderer:
     """The default renderer: the `renderers` library over a `transformers` tokenizer.
 
     Thinking retention is forced to "all" so earlier reasoning stays in history and turns
-    keep bridging (python-api.md §8). Not thread-safe: use one instance per thread (see
+    keep bridging (docs/tokens.md "Engines and renderers"). Not thread-safe: use one instance per
+    thread (see
     RendererPool).
     """
 
@@ -93,9 +94,9 @@ class LibraryRenderer:
 
         Accepted only if the result starts with exactly prev prompt + prev completion;
         `reused` is their combined length, so a close token the library synthesises after a
-        truncated reply is scaffold of the first new message (D-17). A tail holding an
+        truncated reply is scaffold of the first new message. A tail holding an
         assistant message always declines. Lists are used as given, never copied: at 100k+
-        tokens each copy is a measurable share of the per-turn cost (D-27).
+        tokens each copy is a measurable share of the per-turn cost.
         """
         if previous_media or _has_media(new_messages) or not new_messages:
             return None
@@ -144,7 +145,7 @@ class LibraryRenderer:
 
         The library declines a completion that stopped inside an unclosed thinking block;
         the tail it would add is the same for any completion ending in that stop token
-        (python-api.md §8).
+        (docs/tokens.md "Engines and renderers").
         """
         if (
             self._think_end is None
@@ -163,7 +164,7 @@ class LibraryRenderer:
         return [*prompt, *completion, *ids[len(prompt) + len(stand_in) :]], indices
 
     def features(self, media: Sequence[Any]) -> dict[str, Any] | None:
-        """Engine `features` for the prompt's media: none, as images are not supported yet (D-3)."""
+        """Engine `features` for the prompt's media: none, as images are not supported yet."""
         if media:
             raise RenderError("images are not supported in token mode yet")
         return None
@@ -174,7 +175,7 @@ class LibraryRenderer:
         tools: list[Any] | None,
         prompt_ids: Sequence[int] = (),
     ) -> dict[str, Any]:
-        """The reply message of http.md §9.5; malformed tool calls stay in the text."""
+        """The reply message of http.md §3.2; malformed tool calls stay in the text."""
         ids = list(completion_ids)
         try:
             parsed = self._lib.parse_response(
@@ -222,7 +223,7 @@ class LibraryRenderer:
         *,
         skip_special_tokens: bool = False,
     ) -> tuple[bytes, list[int]]:
-        """Stream decode primed with `context` (format.md §10.2), special tokens kept unless
+        """Stream decode primed with `context` (format.md §6.1), special tokens kept unless
         `skip_special_tokens` (raw content and stop strings decode as vLLM does).
 
         A token that leaves a character incomplete gets an empty span; the token completing

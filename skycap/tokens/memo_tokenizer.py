@@ -20,7 +20,7 @@ class MemoTokenizer:
 
     The library encodes the same template pieces ("\\n", "user", "assistant\\n", its
     "<|im_start|>assistant\\n" header, an offsets probe "a") about a dozen times per bridge,
-    each a full transformers call, which made them most of a small bridge's cost (D-27).
+    each a full transformers call, which made them most of a small bridge's cost.
     Only texts of at most MEMO_MAX_CHARS characters called with exactly the library's
     keywords are memoised, in a bounded LRU, and every call gets fresh lists, so a caller
     mutating a result cannot change a later one. Anything else goes to the wrapped tokenizer.

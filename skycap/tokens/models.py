@@ -2,7 +2,7 @@
 
 vLLM answers 404 for a `model` it does not serve (serve/engine/serving.py `_check_model`),
 so the harness's own name ("gpt-4o", "policy") must never reach it. The name learned from
-the engine acts exactly as `--model` (D-41): it is sent, recorded and listed. skycap asks at
+the engine acts exactly as `--model`: it is sent, recorded and listed. skycap asks at
 start with backoff, keeps asking in the background while the engine is not up, and asks
 once more on the first call that finds it still unknown; until then calls go without
 `model`, which vLLM accepts (an empty name is its served model).

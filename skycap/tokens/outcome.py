@@ -1,5 +1,5 @@
 """What a token-mode call answers: the Reply, and the refusals and failures that end a turn
-before its commit, raised without a dialect and written in the caller's (http.md §9.2)."""
+before its commit, raised without a dialect and written in the caller's (http.md §3.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The token-mode turn plan: match, respellings, bridge, full render, attribution (graph.md §7).
+"""The token-mode turn plan: match, respellings, bridge, full render, attribution
+(docs/architecture.md "Token mode").
 
 A plan is computed on a renderer worker thread, never on the event loop, while the
 trajectory's turn lock is held (so the graph does not change under it). It reads the graph
@@ -20,7 +21,8 @@ from skycap.tokens.renderer import Rendered, Renderer, RenderError, starts_with
 
 
 class PlanError(ValueError):
-    """The request cannot become attributed tokens: HTTP 400 before inference (graph.md §8)."""
+    """The request cannot become attributed tokens: HTTP 400 before inference
+    (docs/tokens.md "Outcomes the harness sees")."""
 
 
 @dataclass(slots=True)
@@ -56,7 +58,7 @@ class TurnLists:
     """A committed model node's path tokens as Python lists, kept for the next turn's bridge.
 
     Converting 100k+ token ids from node arrays to Python ints is a measurable share of a
-    turn (D-27). A node's tokens and its path never change once added, so lists recorded
+    turn. A node's tokens and its path never change once added, so lists recorded
     for `node` of `graph` stay exact for as long as that graph lives.
     """
 
@@ -75,7 +77,7 @@ def plan_turn(
     model: str,
     previous: TurnLists | None = None,
 ) -> Plan:
-    """Plan one turn for `messages` (graph.md §7.1-§7.4); PlanError on a plan error.
+    """Plan one turn for `messages` (docs/architecture.md "Token mode"); PlanError on a plan error.
 
     `previous` (the lists of an earlier turn's model node) spares rebuilding them when the
     bridge extends that same node; it is ignored for any other node or graph.
@@ -92,7 +94,7 @@ def plan_turn(
     return plan
 
 
-# -- match (§7.1) --------------------------------------------------------------------------
+# -- match ----------------------------------------------------------------------------------
 
 
 def _match(
@@ -104,7 +106,7 @@ def _match(
     tools_key: str,
     model: str,
 ) -> list[int]:
-    """Node ids of the matched prefix; respellings are tried only at a miss (D-16)."""
+    """Node ids of the matched prefix; respellings are tried only at a miss."""
     matched = graph.walk(hashes)
     request_ids: list[int] | None = None
     while len(matched) < len(messages):
@@ -176,7 +178,7 @@ def _render(
         raise PlanError(str(exc)) from exc
 
 
-# -- bridge (§7.2) -------------------------------------------------------------------------
+# -- bridge ---------------------------------------------------------------------------------
 
 
 def _bridge(
@@ -238,7 +240,7 @@ def _deepest_sampled(graph: Graph, matched: list[int]) -> int | None:
     return None
 
 
-# -- full render (§7.3) --------------------------------------------------------------------
+# -- full render ----------------------------------------------------------------------------
 
 
 def _full_render(
@@ -257,7 +259,7 @@ def _full_render(
     tail_owner = owner[reused:] - kept
     # Tokens after a kept model node that the template adds to its message (the separator
     # after the stop token, or a close synthesised after a truncated reply) are scaffold of
-    # the first new message, as in a bridge (D-17).
+    # the first new message, as in a bridge.
     np.maximum(tail_owner, 0, out=tail_owner)
     chunks, scaffold = _split(ids[reused:], tail_owner, len(messages) - kept)
     path = [graph[node_id] for node_id in matched[:kept]]
@@ -270,7 +272,7 @@ def _full_render(
 def _kept_prefix(
     graph: Graph, matched: list[int], ids: np.ndarray, owner: np.ndarray
 ) -> tuple[int, int]:
-    """(number of matched nodes kept, tokens they cover) for a full render (D-16).
+    """(number of matched nodes kept, tokens they cover) for a full render.
 
     A node is kept while its tokens equal the render's at the running offset and hold no
     token of a later message. A client node must also end on its message's boundary; a
@@ -294,7 +296,7 @@ def _kept_prefix(
     return len(matched), offset
 
 
-# -- attribution (§7.4) --------------------------------------------------------------------
+# -- attribution ----------------------------------------------------------------------------
 
 
 def attribute(
@@ -380,7 +382,7 @@ def _unrendered(messages: Sequence[Mapping[str, Any]], chunks: list[np.ndarray])
     """Position of the first message that carries content but got an empty chunk, if any.
 
     A message with nothing to render (empty content, no tool calls, no reasoning) may
-    have an empty chunk (graph.md §7.4).
+    have an empty chunk (docs/architecture.md "Token mode").
     """
     for position, (message, chunk) in enumerate(zip(messages, chunks, strict=True)):
         if chunk.shape[0] == 0 and _carries_content(message):
@@ -414,7 +416,8 @@ def _part_has_content(part: Any) -> bool:
 
 
 def _routes_from(path: list[Node], reused: int) -> int:
-    """First position whose routed experts the engine must return (graph.md §7.7).
+    """First position whose routed experts the engine must return
+    (docs/architecture.md "Token mode").
 
     0 (everything) unless every node on the path holds a complete set of rows; then the
     prefix's final position, so its placeholder row is replaced by the real one.

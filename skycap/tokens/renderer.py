@@ -3,7 +3,8 @@
 A renderer turns chat messages into the exact prompt token ids (with one message index per
 token so the graph can attribute them), extends a previous prompt + completion without
 re-tokenising sampled tokens (the bridge), parses a completion into a reply message, and
-decodes tokens to text with per-token byte offsets (python-api.md §8, format.md §10.2).
+decodes tokens to text with per-token byte offsets (docs/tokens.md "Engines and renderers",
+format.md §6.1).
 The default one is skycap.tokens.library_renderer's; skycap.tokens.renderer_pool runs them.
 """
 
@@ -29,7 +30,7 @@ __all__ = [
     "tool_call_id",
 ]
 
-#: Prompt tokens used as stream context when decoding a completion as raw content (http.md §9.5).
+#: Prompt tokens used as stream context when decoding a completion as raw content (http.md §3.2).
 RAW_CONTENT_CONTEXT = 8
 
 
@@ -43,7 +44,7 @@ class Rendered:
 
     `token_ids` is the whole prompt. `message_indices` has one entry per token *after*
     `reused`, relative to the messages given (for a bridge: the new messages); -1 is template
-    scaffold, which belongs to the following message (graph.md §7.4).
+    scaffold, which belongs to the following message (docs/architecture.md "Token mode").
     """
 
     token_ids: list[int]
@@ -54,7 +55,8 @@ class Rendered:
 
 @runtime_checkable
 class Renderer(Protocol):
-    """What token mode needs from a renderer (python-api.md §8); `renderer=` objects fit it."""
+    """What token mode needs from a renderer (docs/tokens.md "Engines and renderers"); `renderer=`
+    objects fit it."""
 
     name: str
     stop_token_ids: list[int]
@@ -90,7 +92,8 @@ def parse_reply(
     tools: list[Any] | None,
     prompt_ids: Sequence[int],
 ) -> dict[str, Any]:
-    """`renderer.parse`, given `prompt_ids` only if the method declares it (python-api.md §8)."""
+    """`renderer.parse`, given `prompt_ids` only if the method declares it
+    (docs/tokens.md "Engines and renderers")."""
     if _accepts_prompt_ids(renderer.parse):
         return renderer.parse(completion_ids, tools, prompt_ids=prompt_ids)
     return renderer.parse(completion_ids, tools)
@@ -111,7 +114,7 @@ def raw_content(
     *,
     skip_special_tokens: bool = True,
 ) -> str:
-    """The `--use-raw-content` reply text (http.md §9.5): what vLLM's server answers as text.
+    """The `--use-raw-content` reply text (http.md §3.2): what vLLM's server answers as text.
 
     The completion without its trailing stop token (v1/engine/detokenizer.py leaves the
     token that stopped generation out), decoded as a stream primed with the last 8 prompt

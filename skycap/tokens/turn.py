@@ -1,4 +1,4 @@
-"""One token-mode turn, from the read call to its answer (http.md §9.2), as one object: plan
+"""One token-mode turn, from the read call to its answer (http.md §3.2), as one object: plan
 the prompt, refuse what cannot run, build the engine request, call the engine (buffered, or
 streamed through the relay), check and parse the completion, build the call record,
 commit, and answer in the call's dialect, streamed or whole.
@@ -188,7 +188,7 @@ class TokenTurn:
             raise TurnError(400, str(exc)) from exc
 
     def check_limits(self, prompt_tokens: int) -> int | None:
-        """Refusals before inference (http.md §9.2 steps 3-4); returns the room left, if bounded."""
+        """Refusals before inference (http.md §3.2); returns the room left, if bounded."""
         bound = self.request.extras.get("max_prompt_tokens")
         if bound is not None:
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
@@ -214,7 +214,7 @@ class TokenTurn:
     def engine_request(
         self, plan: Plan, room: int | None, model: str | None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(effective sampling, engine request body) (http.md §9.3-9.4).
+        """(effective sampling, engine request body) (http.md §3.2).
 
         The model's generation defaults fill what the caller left out, then the overrides
         win. What vLLM would refuse answers 400 naming the field.
@@ -357,7 +357,8 @@ class TokenTurn:
         call: dict[str, Any],
         model: str,
     ) -> str:
-        """Commit on the event loop; a CommitError seals the trajectory `failed` (graph.md §8)."""
+        """Commit on the event loop; a CommitError seals the trajectory `failed`
+        (docs/tokens.md "Outcomes the harness sees")."""
         trajectory, state = self.trajectory, self.state
         try:
             node = commit_turn(

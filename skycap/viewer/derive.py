@@ -1,4 +1,5 @@
-"""Per-trajectory values the viewer derives from a record document (viewer.md §2, §3, §6).
+"""Per-trajectory values the viewer derives from a record document
+(docs/viewer.md "The rollout drawer", docs/viewer.md "Health band").
 
 Everything here is a pure function of the document dict (plus, for `tokens-missing`,
 whether the tokens file is beside it), so listing, flags and the `validate` command draw
@@ -20,7 +21,7 @@ from skycap.linearity import MalformedDocument, forks
 
 ERROR, WARN, INFO = "error", "warn", "info"
 
-# viewer.md §3, in display order: flag -> level.
+# docs/viewer.md "Health band", in display order: flag -> level.
 FLAG_LEVELS: dict[str, str] = {
     "no-signal": WARN,
     "masked": WARN,
@@ -77,7 +78,7 @@ def as_number(value: Any) -> float | None:
 
 
 def numeric_reward(value: Any) -> float | None:
-    """viewer.md §3: a finite number, or a boolean read as 0/1."""
+    """docs/viewer.md "Health band": a finite number, or a boolean read as 0/1."""
     if isinstance(value, bool):
         return 1.0 if value else 0.0
     if isinstance(value, int | float) and math.isfinite(value):
@@ -227,7 +228,8 @@ def derive(document: Mapping[str, Any]) -> Derived:
 
 
 def path_counts(derived: Derived, index: int) -> PathCounts:
-    """Tokens, trainable tokens and logprob count of one path (viewer.md §2)."""
+    """Tokens, trainable tokens and logprob count of one path
+    (docs/viewer.md "The rollout drawer")."""
     tokens = trainable = logprobs = 0
     for node_id in derived.paths[index]:
         node = derived.nodes[node_id]
@@ -247,7 +249,9 @@ def uses_tokens(derived: Derived) -> bool:
 
 
 def path_blocks(derived: Derived, index: int, *, chars: bool = False) -> list[dict[str, Any]]:
-    """The path cut into blocks at node boundaries and at `sampled_start` (viewer.md §2).
+    """The path cut into blocks at node boundaries and at `sampled_start`.
+
+    See docs/viewer.md "The rollout drawer".
 
     Ranges are in the path's concatenated tokens, or with `chars` in characters of the
     nodes' message text (the text-only fallback; a model node then has no scaffold).
@@ -340,7 +344,7 @@ def sidecar_manifest(document: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def malformed_kinds(document: Mapping[str, Any]) -> list[tuple[int, str]]:
-    """(node, kind) pairs where a node slices into a kind the manifest lacks (§3, rule 13)."""
+    """(node, kind) pairs where a node slices into a kind the manifest lacks (format.md §3)."""
     manifest = sidecar_manifest(document)
     found = []
     for i, node in enumerate(as_list(document.get("nodes"))):
@@ -371,14 +375,15 @@ def absent_kinds(document: Mapping[str, Any], present: set[str]) -> list[str]:
 def text_only_reason(
     document: Mapping[str, Any], derived: Derived, present: set[str]
 ) -> str | None:
-    """Why a token-mode trajectory draws as text (viewer.md §2), or None when it has tokens."""
+    """Why a token-mode trajectory draws as text (docs/viewer.md "The rollout drawer"), or None when
+    it has tokens."""
     if "tokens" in sidecar_manifest(document):
         return "tokens-missing" if "tokens" in absent_kinds(document, present) else None
     return "tokens-unlisted" if uses_tokens(derived) else None
 
 
 def rollout_flags(document: Mapping[str, Any], derived: Derived, present: set[str]) -> list[str]:
-    """The rollout flags of viewer.md §3 that hold, in display order.
+    """The rollout flags of docs/viewer.md "Health band" that hold, in display order.
 
     `present` holds the file names beside the document (only `tokens-missing` uses it).
     """
@@ -472,11 +477,11 @@ def health_score(flags: list[str]) -> int:
 
 
 def train_once(document: Mapping[str, Any], derived: Derived) -> dict[str, Any]:
-    """The train-once check of viewer.md §6 over all paths.
+    """The train-once check of docs/viewer.md "The rollout drawer" over all paths.
 
     Paths train what the record's `samples` rows say when `finish` recorded them (a rule
     other than `all` may leave nodes untrained or, if broken, train one twice); without
-    `samples` the paths train their targets (§2), which holds by construction.
+    `samples` the paths train their targets, which holds by construction.
     """
     model_nodes = [i for i, node in enumerate(derived.nodes) if is_model(node)]
     trained = dict.fromkeys(model_nodes, 0)
@@ -510,7 +515,8 @@ def train_once(document: Mapping[str, Any], derived: Derived) -> dict[str, Any]:
 
 
 def node_signs(derived: Derived) -> dict[int, list[str]]:
-    """Tree signs per node (viewer.md §5): unbridged, inferred, re-tokenized copy, shadowed."""
+    """Tree signs per node (docs/viewer.md "The page"): unbridged, inferred, re-tokenized copy,
+    shadowed."""
     signs: dict[int, list[str]] = {}
     copies = retokenized_copies(derived)
     inferred = set(inferred_unbridged(derived))

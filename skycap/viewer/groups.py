@@ -1,7 +1,8 @@
 """GRPO-style groups and the two tables built on them: filters, sorting, health counts, pages.
 
-Groups follow viewer.md §4 (keys, repetitions, attempts, superseded rollouts, modal size,
-group flags); the tables follow §5 (server-side sort with nulls last, 100 rows a page, a
+Groups follow docs/viewer.md "Groups" (keys, repetitions, attempts, superseded rollouts,
+modal size, group flags); the tables follow docs/viewer.md "The page" (server-side sort with nulls
+last, 100 rows a page, a
 health band counted before the flag filter, reward colours over the whole run).
 """
 
@@ -225,7 +226,7 @@ class GroupSet:
 
 
 def _counting(rollouts: list[Summary]) -> Summary:
-    """The highest attempt counts; ties go to the newer `created_at` (viewer.md §4)."""
+    """The highest attempt counts; ties go to the newer `created_at` (docs/viewer.md "Groups")."""
     return max(rollouts, key=lambda s: (s.attempt, s.created_at or -math.inf, s.id))
 
 
@@ -333,7 +334,8 @@ def rollouts_table(summaries: list[Summary], groups: GroupSet, query: Query) -> 
 
     base = [s for s in summaries if matches(s, query)]
     band = health_band(flags(s) for s in base)
-    # viewer.md §5 as built: reward colours span the run, so a filter does not recolour.
+    # docs/viewer.md "The page" as built: reward colours span the run, so a filter does not
+    # recolour.
     listed = [s for s in base if query.flag is None or query.flag in flags(s)]
     listed = sort_items(sorted(listed, key=lambda s: s.id), lambda s: s.created_at, "desc")
     if query.sort is not None:
@@ -409,7 +411,8 @@ def _default_group_order(group: Group) -> tuple[Any, ...]:
 
 
 def groups_table(summaries: list[Summary], groups: GroupSet, query: Query) -> dict[str, Any]:
-    """The groups view: a group matches when any of its rollouts does (viewer.md §5)."""
+    """The groups view: a group matches when any of its rollouts does
+    (docs/viewer.md "The page")."""
     selected = {s.id for s in summaries if matches(s, query)}
     base = [g for g in groups.groups.values() if any(s.id in selected for s in g.members)]
     band = health_band(g.all_flags() for g in base)

@@ -1,5 +1,5 @@
 """Runs for the viewer: record directories found under the given folders, and a cached summary
-per document, rescanned incrementally (viewer.md §1).
+per document, rescanned incrementally (docs/viewer.md "Running it").
 
 A rescan lists each directory once, re-reads only documents whose modification time or
 size changed (or whose listed sidecar files came or went) and drops deleted ones, so a
@@ -49,7 +49,7 @@ def group_value(value: Any) -> str | None:
 
 
 def lookup(meta: Mapping[str, Any], annotations: Mapping[str, Any], key: str) -> Any:
-    """viewer.md §4: a key is looked up in `meta`, then in `annotations`."""
+    """docs/viewer.md "Groups": a key is looked up in `meta`, then in `annotations`."""
     return meta[key] if key in meta else annotations.get(key)
 
 
@@ -86,7 +86,8 @@ class Summary:
     strips: list[list[list[Any]]] = field(default_factory=list)
     listed: dict[str, str] = field(default_factory=dict)
     search: str = ""
-    # The run index's row for this trajectory (format.md §17), when a step.json lists it.
+    # The run index's row for this trajectory (docs/index.md "step.json"), when a step.json lists
+    # it.
     indexed: Mapping[str, Any] | None = None
 
     @property
@@ -123,7 +124,7 @@ class Summary:
         return None if any(p is None for p in parts) else "~".join(parts)
 
     def row(self) -> dict[str, Any]:
-        """The rollouts-table row (flags without the quiet ones, viewer.md §3)."""
+        """The rollouts-table row (flags without the quiet ones, docs/viewer.md "Health band")."""
         return {
             "id": self.id,
             "status": self.status,
@@ -214,7 +215,7 @@ def summarise(
 
 
 def index_rows(document: Any) -> dict[str, dict[str, Any]]:
-    """What the viewer shows of a run index file (format.md §17): per trajectory id, its
+    """What the viewer shows of a run index file (docs/index.md "step.json"): per trajectory id, its
     phase, step, `trained` and `superseded`. Anything malformed is skipped, never fatal."""
     if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
         return {}

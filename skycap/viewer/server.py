@@ -1,4 +1,4 @@
-"""The viewer's read-only HTTP server: the JSON API under /api/v1 (D-25) and the static page.
+"""The viewer's read-only HTTP server: the JSON API under /api/v1 and the static page.
 
 Stdlib `ThreadingHTTPServer` (skycap.local_http), GET and HEAD only, bound to 127.0.0.1 by
 default. Listings come from the index's document summaries; a trajectory's sidecars are

@@ -1,4 +1,4 @@
-"""The validation rules of viewer.md §7 as problem lines, for `skycap validate` and the viewer.
+"""The record rules of `skycap validate` as problem lines, for the command and the viewer.
 
 Documents are read here (not through the record reader) because the rules name zstd
 framing faults by byte offset and count frames (R1, rule 17), which a plain decompressor
@@ -26,7 +26,7 @@ from skycap.trajectory import STATUSES
 from skycap.viewer.derive import as_dict, as_list, is_int, malformed_kinds
 
 TOKEN_ARRAYS = ("token_ids", "logprobs", "text_offsets", "text")
-# The arrays each sidecar kind must list (format.md §10).
+# The arrays each sidecar kind must list (format.md §6).
 KIND_ARRAYS = {
     "tokens": TOKEN_ARRAYS,
     "experts": ("routed_experts",),
@@ -258,7 +258,7 @@ def _manifest_rules(document: Mapping[str, Any]) -> list[str]:
 
 
 def _samples_rules(document: Mapping[str, Any]) -> list[str]:
-    """The recorded `samples` (format.md §5): rows of a leaf node and target node ids."""
+    """The recorded `samples` (format.md §4): rows of a leaf node and target node ids."""
     samples = document.get("samples")
     if samples is None:
         return []
@@ -452,7 +452,7 @@ _KIND_PROBLEMS = {
 
 def sidecar_problems(record_dir: Path, document: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """Rules 14 and 17 over every sidecar file present, each decoded and its checksum
-    verified (D-45): (problems, listed kinds not here)."""
+    verified: (problems, listed kinds not here)."""
     problems: list[str] = []
     missing = []
     manifest = as_dict(document.get("sidecars"))
@@ -494,7 +494,7 @@ def problem_line(doc_id: str, problems: list[str]) -> str:
 
 
 def document_ids(record_dir: Path) -> list[str]:
-    """Top-level `*.json.zst` names without a leading dot, as ids, sorted (format.md §4)."""
+    """Top-level `*.json.zst` names without a leading dot, as ids, sorted (format.md §3)."""
     ids = []
     with os.scandir(record_dir) as entries:
         for entry in entries:
