@@ -136,7 +136,8 @@ class EngineClient:
         return response.status_code, response.content
 
     async def release(self, session_id: str) -> None:
-        """Ask the engine to drop the session's state (best effort, http.md §11)."""
+        """Ask the engine to drop the session's state
+        (best effort, docs/tokens.md "Engines and renderers")."""
         route = self.engine.release(session_id)
         if route is not None:
             await self._best_effort("release", session_id, route[0], params=route[1])
