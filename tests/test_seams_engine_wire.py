@@ -26,7 +26,7 @@ from server_fixtures import Control, ServerThread, control
 from skycap.local_http import LocalHTTPServer
 from skycap.server import flags
 from skycap.server.options import ServerOptions
-from skycap.tokens.engine import EngineError, EngineOutput
+from skycap.tokens.engine import EngineError, EngineOutput, VLLMEngine, load_wire
 
 START = [{"role": "user", "content": "Say hello."}]
 REPLY = "Hello there. Bye."
@@ -241,3 +241,16 @@ def test_a_toy_wire_serves_whole_and_streamed_calls(
     sampled = [lp for lp, m in zip(sample["logprobs"], sample["loss_mask"], strict=True) if m]
     first = [toy_logprob(i) for i in range(len(toy.ids))]
     assert sampled[: len(first)] == first and not any(math.isnan(x) for x in sampled)
+
+
+def test_the_wire_flag_names_vllm_or_an_importable_class() -> None:
+    assert type(load_wire("vllm")) is VLLMEngine
+    for spec, problem in [
+        ("vllm2", "must be vllm or MODULE:CLASS"),
+        ("no_such_module:Wire", "cannot import it"),
+        (f"{__name__}:NoSuchWire", "cannot import it"),
+        (f"{__name__}:ToyEngine", "cannot build it with no arguments"),
+    ]:
+        with pytest.raises(ValueError, match=problem) as refused:
+            load_wire(spec)
+        assert str(refused.value).startswith("--engine-wire") and spec in str(refused.value)

@@ -181,7 +181,13 @@ def load_wire(spec: str) -> EngineWire:
         wire = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--engine-wire {spec}: cannot import it: {exc}") from None
-    return wire()
+    try:
+        return wire()
+    except TypeError as exc:
+        raise ValueError(
+            f"--engine-wire {spec}: cannot build it with no arguments: {exc}; give a class "
+            "whose constructor needs none"
+        ) from None
 
 
 class VLLMEngine:
