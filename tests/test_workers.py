@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -27,13 +28,16 @@ START_TIMEOUT = 120.0
 
 
 def consecutive_free_ports(count: int) -> int:
-    """A first port such that it and the next `count - 1` are free now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
+    """A first port such that it and the next `count - 1` are free now.
+
+    Drawn below the kernel's ephemeral range (where `bind(("", 0))` and outgoing
+    connections take their ports), so a server another test process starts meanwhile
+    cannot take one of them between this check and the workers' own bind.
+    """
+    low, _ = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(1024, low - count)
         try:
             for port in range(first, first + count):
                 with socket.socket() as s:
