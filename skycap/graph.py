@@ -26,7 +26,8 @@ class Tokens:
     scaffold positions. `mask_offsets` is None when no sampling mask was captured; rows are
     the node's sampled positions, in CSR form. `text`/`text_offsets` are filled when the
     record is written (or read back); `experts_placeholder` marks a last expert row that
-    is a copy (memory only).
+    is a copy (memory only). `extra` holds the per-token arrays of sidecar kinds
+    registered without a field of their own (skycap/record/sidecars.py), by field name.
     """
 
     ids: np.ndarray
@@ -39,6 +40,7 @@ class Tokens:
     text: bytes | None = None
     text_offsets: np.ndarray | None = None
     experts_placeholder: bool = False
+    extra: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         self.ids = np.asarray(self.ids, dtype=np.int32)

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from skycap.arrays import pack
-from skycap.graph import Graph, Node, Tokens
+from skycap.graph import Graph, Tokens
+from skycap.record.sidecars import REGISTRY
 
 ALL = "all"
 FINAL = "final"
@@ -249,7 +249,8 @@ class BuiltSample:
     """One sample with numpy arrays; `input_ids is None` means a text-only sample.
 
     `sampling_mask` is CSR `(ids int32, offsets int64)` with one row per position.
-    `media` is always empty: images are not captured yet.
+    `media` is always empty: images are not captured yet. `extra` holds the arrays
+    of sidecar kinds registered without a sample field of their own, by sample key.
     """
 
     leaf: int
@@ -262,6 +263,7 @@ class BuiltSample:
     routed_experts: np.ndarray | None = None
     sampling_mask: tuple[np.ndarray, np.ndarray] | None = None
     media: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> BuiltSample:
@@ -297,61 +299,15 @@ def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> B
     missing = ~np.isfinite(sample.logprobs)
     sample.loss_mask[missing] = 0
     sample.logprobs[missing] = 0.0
-    sample.routed_experts = _experts(tokens)
-    sample.sampling_mask = _sampling_mask(nodes, tokens, starts, target_set, sample.loss_mask)
-    return sample
-
-
-def _experts(tokens: list[Tokens]) -> np.ndarray | None:
-    """Rows concatenated, only if every node has one expert row per token."""
-    arrays = [t.experts for t in tokens]
-    if any(
-        a is None or a.ndim != 3 or a.shape[0] != t.length
-        for a, t in zip(arrays, tokens, strict=True)
-    ):
-        return None
-    return np.concatenate(arrays)
-
-
-def _sampling_mask(
-    nodes: list[Node],
-    tokens: list[Tokens],
-    starts: np.ndarray,
-    target_set: set[int],
-    loss_mask: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """CSR over every position: targets' sampled positions get their rows, others `[]`
-    (so does a sampled position the loss mask leaves out, one with no logprob)."""
-    total = int(starts[-1])
-    row_lengths = np.zeros(total, dtype=np.int64)
-    id_parts = []
-    for k, (node, tok) in enumerate(zip(nodes, tokens, strict=False)):
-        if node.id not in target_set:
+    for kind in REGISTRY.values():
+        if kind.sample_key is None:
             continue
-        if tok.mask_offsets is None:
-            return None
-        bounds = tok.mask_offsets
-        sampled_from = tok.length if tok.sampled_start is None else tok.sampled_start
-        sampled = tok.length - sampled_from
-        if tok.mask_rows != sampled:
-            raise ValueError(
-                f"node {node.id} has {tok.mask_rows} sampling-mask rows "
-                f"for {sampled} sampled tokens"
-            )
-        first = int(starts[k]) + sampled_from
-        lengths = np.diff(bounds)
-        ids = tok.mask_ids[int(bounds[0]) : int(bounds[-1])]
-        kept = loss_mask[first : first + sampled].astype(bool)
-        if not kept.all():
-            ids = ids[np.repeat(kept, lengths)]
-            lengths = np.where(kept, lengths, 0)
-        row_lengths[first : first + sampled] = lengths
-        id_parts.append(ids)
-    if not id_parts:
-        return None
-    offsets = np.zeros(total + 1, dtype=np.int64)
-    np.cumsum(row_lengths, out=offsets[1:])
-    return np.concatenate(id_parts).astype(np.int32, copy=False), offsets
+        value = kind.sample(nodes, tokens, starts, target_set, sample.loss_mask)
+        if kind.own:
+            setattr(sample, kind.sample_key, value)
+        elif value is not None:
+            sample.extra[kind.sample_key] = value
+    return sample
 
 
 def build_samples(graph: Graph, rows: Sequence[Row]) -> list[BuiltSample]:
@@ -371,11 +327,13 @@ def encode_sample(sample: BuiltSample) -> dict[str, Any]:
     out["input_ids"] = sample.input_ids.tolist()
     out["loss_mask"] = sample.loss_mask.tolist()
     out["logprobs"] = sample.logprobs.tolist()
-    out["routed_experts"] = None if sample.routed_experts is None else pack(sample.routed_experts)
-    if sample.sampling_mask is None:
-        out["sampling_mask"] = None
-    else:
-        ids, offsets = sample.sampling_mask
-        out["sampling_mask"] = {"ids": ids.tolist(), "offsets": offsets.tolist()}
+    for kind in REGISTRY.values():
+        key = kind.sample_key
+        if key is None:
+            continue
+        if kind.own:
+            out[key] = kind.encode(getattr(sample, key))
+        elif key in sample.extra:
+            out[key] = kind.encode(sample.extra[key])
     out["media"] = []
     return out

@@ -46,6 +46,14 @@ INNER_LAYERS = [
         ("skycap.server.answer", "skycap.server.live", "skycap.server.records"),
         ("skycap.server.store",),
     ],
+    [  # the record: the sidecar kinds sit between the layout and what reads and writes records
+        ("skycap.record.layout", "skycap.record.frames"),
+        ("skycap.record.sidecar_kind",),
+        ("skycap.record.tokens_kind",),
+        ("skycap.record.sidecars",),
+        ("skycap.record.reader", "skycap.record.writer"),
+        ("skycap.record.journal",),
+    ],
     [
         ("skycap.mock.vllm_rules", "skycap.mock.engine_wire"),
         ("skycap.mock.engine_http",),

@@ -15,7 +15,6 @@ from typing import Any
 
 HELP = "Summarise record directories: statuses, paths, forks, bridging, failures and rewards."
 
-SIDECAR_KINDS = ("tokens", "experts", "sampling_mask")
 BRIDGED_STATES = ("true", "false", "null", "absent")
 REWARD_VALUES_LISTED = 12
 REWARD_BUCKETS = 10
@@ -138,6 +137,8 @@ def _int(value: Any) -> int:
 def directory_stats(rows: Sequence[Mapping[str, Any]], unreadable: int) -> dict[str, Any]:
     """The `stats` object of `summary --json` (docs/tools.md "skycap summary") over per-document
     figures."""
+    from skycap.record.sidecars import kind_order
+
     status: Counter[str] = Counter()
     modes: Counter[str] = Counter()
     sidecars: Counter[str] = Counter()
@@ -182,13 +183,9 @@ def directory_stats(rows: Sequence[Mapping[str, Any]], unreadable: int) -> dict[
         "failures": sum(row["failures"] for row in rows),
         "with_failures": sum(1 for row in rows if row["failures"]),
         "retries": {k: sum(row["retries"][k] for row in rows) for k in ("replayed", "coalesced")},
-        "sidecars": {k: sidecars[k] for k in sorted(sidecars, key=_kind_order)},
+        "sidecars": {k: sidecars[k] for k in sorted(sidecars, key=kind_order)},
         "reward": reward_stats(rewards, len(rows)) if rewards else None,
     }
-
-
-def _kind_order(kind: str) -> tuple[int, str]:
-    return (SIDECAR_KINDS.index(kind) if kind in SIDECAR_KINDS else len(SIDECAR_KINDS), kind)
 
 
 def number_text(value: float) -> str:

@@ -34,6 +34,7 @@ import orjson
 
 from skycap.graph import Graph, Node, Tokens
 from skycap.record.layout import document_name, is_plain_name
+from skycap.record.sidecars import REGISTRY
 from skycap.record.writer import write_record
 from skycap.trajectory import Trajectory
 
@@ -45,7 +46,6 @@ RECOVERED = (
     "the server stopped without writing this record; it was rebuilt from the crash journal "
     "(a call in flight at that moment is not in it)"
 )
-_ARRAYS = ("ids", "logprobs", "experts", "mask_ids", "mask_offsets", "text_offsets")
 
 
 class JournalError(ValueError):
@@ -281,9 +281,10 @@ def _node_entry(node: Node, cursor: _Cursor, blobs: _Blobs) -> dict[str, Any]:
             "experts_placeholder": tokens.experts_placeholder,
             "text": None if tokens.text is None else _ref(tokens.text, cursor, blobs),
         }
-        for name in _ARRAYS:
-            array = getattr(tokens, name)
-            spec[name] = None if array is None else _ref(array, cursor, blobs)
+        for kind in REGISTRY.values():
+            for name in kind.fields:
+                array = kind.get(tokens, name)
+                spec[name] = None if array is None else _ref(array, cursor, blobs)
         entry["tokens"] = spec
         if tokens.experts_placeholder:
             cursor.placeholders.add(node.id)
@@ -468,21 +469,25 @@ def _node_from_entry(entry: Any, blob: bytes) -> tuple[dict[str, Any], Tokens | 
     spec = entry.get("tokens")
     if spec is None:
         return entry, None
-    arrays = {name: _array(spec.get(name), blob) for name in _ARRAYS}
-    if arrays["ids"] is None:
+    values: dict[str, Any] = {}
+    extra: dict[str, np.ndarray] = {}
+    for kind in REGISTRY.values():
+        for name in kind.fields:
+            array = _array(spec.get(name), blob)
+            if kind.own:
+                values[name] = array
+            elif array is not None:
+                extra[name] = array
+    if values["ids"] is None:
         raise _Torn("a token node without ids")
     text = _array(spec.get("text"), blob)
     tokens = Tokens(
-        ids=arrays["ids"],
+        **values,
         sampled_start=spec.get("sampled_start"),
-        logprobs=arrays["logprobs"],
-        experts=arrays["experts"],
-        mask_ids=arrays["mask_ids"],
-        mask_offsets=arrays["mask_offsets"],
         media=list(spec.get("media") or []),
         text=None if text is None else text.tobytes(),
-        text_offsets=arrays["text_offsets"],
         experts_placeholder=bool(spec.get("experts_placeholder")),
+        extra=extra or None,
     )
     return entry, tokens
 

@@ -8,11 +8,17 @@ from typing import Any
 import numpy as np
 
 FORMAT_VERSION = 1
-KINDS = ("tokens", "experts", "sampling_mask")
 DOCUMENT_SUFFIX = ".json.zst"
 ALIGN = 8
 # format.md §6.1: a writer refuses every other dtype; a reader refuses them too.
 DTYPES = ("uint8", "uint16", "int16", "int32", "int64", "float64")
+
+
+class RecordError(Exception):
+    """A record that cannot be read; its str is a one-line reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(" ".join(reason.splitlines()))
 
 
 def document_name(trajectory_id: str) -> str:

@@ -29,7 +29,8 @@ from typing import Any
 
 from skycap.record.copier import CopyTimeout, open_copier
 from skycap.record.fsspec_store import error_text, open_store, redact, transient
-from skycap.record.layout import KINDS, document_name, sidecar_name
+from skycap.record.layout import document_name, sidecar_name
+from skycap.record.sidecars import KINDS
 
 logger = logging.getLogger("skycap.mirror")
 

@@ -18,28 +18,18 @@ from skycap.record.layout import (
     DOCUMENT_SUFFIX,
     DTYPES,
     FORMAT_VERSION,
-    KINDS,
+    RecordError,
     document_name,
     is_plain_name,
 )
+from skycap.record.sidecar_kind import NodeFields
+from skycap.record.sidecars import KINDS, REGISTRY
 from skycap.trajectory import OPEN, STATUSES, Trajectory
 
 # The first record rule of docs/viewer.md "skycap validate": what a document must hold to be read at
 # all.
 REQUIRED_FIELDS = ("id", "status", "nodes", "sidecars")
 NODE_FIELDS = ("parent", "author", "message", "match_hash", "delta_hash", "created_at", "calls")
-SIDECAR_ARRAYS = {
-    "tokens": ("token_ids", "logprobs", "text_offsets", "text"),
-    "experts": ("routed_experts",),
-    "sampling_mask": ("ids", "offsets"),
-}
-
-
-class RecordError(Exception):
-    """A record that cannot be read; its str is a one-line reason."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(" ".join(reason.splitlines()))
 
 
 def record_ids(record_dir: Path) -> list[str]:
@@ -254,7 +244,7 @@ class _Sidecars:
     def get(self, kind: str) -> dict[str, np.ndarray] | None:
         if kind not in self._read:
             arrays = read_sidecar(self.record_dir, self.document, kind)
-            for name in SIDECAR_ARRAYS[kind] if arrays is not None else ():
+            for name in REGISTRY[kind].arrays if arrays is not None else ():
                 if name not in arrays:
                     raise RecordError(f"the {kind} sidecar lists no array {name}")
             self._read[kind] = arrays
@@ -325,87 +315,16 @@ def _tokens(index: int, spec: Any, arrays: _Sidecars) -> Tokens | None:
     """The node's Tokens from its slices; None without the tokens sidecar (message text only)."""
     if not isinstance(spec, dict):
         raise RecordError(f"node {index}: tokens must be an object or null")
-    tokens = arrays.get("tokens")
-    if tokens is None:
+    if arrays.get("tokens") is None:
         return None
-    field = _Fields(index, spec)
-    offset, length = field.count("offset"), field.count("length")
-    ids = field.slice(tokens["token_ids"], offset, length, "tokens")
-    logprobs = field.slice(tokens["logprobs"], offset, length, "tokens")
-    text = text_offsets = None
-    if spec.get("text_offset") is not None:
-        text_offset, text_bytes = field.count("text_offset"), field.count("text_bytes")
-        text = field.slice(tokens["text"], text_offset, text_bytes, "text").tobytes()
-        text_offsets = field.slice(tokens["text_offsets"], offset, length, "tokens")
-    sampled_start = spec.get("sampled_start")
-    if sampled_start is not None:
-        sampled_start = field.count("sampled_start")
-    return Tokens(
-        ids=ids,
-        sampled_start=sampled_start,
-        logprobs=logprobs if spec.get("has_logprobs") is True else None,
-        experts=_experts(field, spec, arrays),
-        **_mask(field, spec, arrays),
-        media=list(spec.get("media") or []),
-        text=text,
-        text_offsets=text_offsets,
-    )
-
-
-def _experts(field: _Fields, spec: dict[str, Any], arrays: _Sidecars) -> np.ndarray | None:
-    if spec.get("experts_offset") is None:
-        return None
-    experts = arrays.get("experts")
-    if experts is None:
-        return None
-    rows = experts["routed_experts"]
-    if rows.ndim != 3:
-        raise RecordError(
-            f"routed_experts has shape {list(rows.shape)}; expected [rows, layers, k]"
-        )
-    start, count = field.count("experts_offset"), field.count("experts_rows")
-    return field.slice(rows, start, count, "experts")
-
-
-def _mask(field: _Fields, spec: dict[str, Any], arrays: _Sidecars) -> dict[str, np.ndarray | None]:
-    """The node's CSR mask rows; `mask_rows: 0` never opens the sidecar (format.md §3)."""
-    if spec.get("mask_offset") is None:
-        return {"mask_ids": None, "mask_offsets": None}
-    start, rows = field.count("mask_offset"), field.count("mask_rows")
-    if rows == 0:
-        return {"mask_ids": np.zeros(0, dtype=np.int32), "mask_offsets": np.zeros(1, np.int64)}
-    mask = arrays.get("sampling_mask")
-    if mask is None:
-        return {"mask_ids": None, "mask_offsets": None}
-    bounds = field.slice(mask["offsets"], start, rows + 1, "sampling-mask offsets")
-    first, last = int(bounds[0]), int(bounds[-1])
-    if last < first:
-        raise RecordError(f"node {field.index}: sampling-mask offsets decrease")
-    return {
-        "mask_ids": field.slice(mask["ids"], first, last - first, "sampling-mask ids"),
-        "mask_offsets": bounds - first,
-    }
-
-
-class _Fields:
-    """Checked reads of one node's `tokens` object, errors naming the node."""
-
-    def __init__(self, index: int, spec: dict[str, Any]) -> None:
-        self.index = index
-        self.spec = spec
-
-    def count(self, key: str) -> int:
-        value = self.spec.get(key)
-        if not _is_count(value):
-            raise RecordError(
-                f"node {self.index}: tokens.{key} must be a non-negative integer, got {value!r}"
-            )
-        return value
-
-    def slice(self, array: np.ndarray, start: int, count: int, what: str) -> np.ndarray:
-        if start + count > array.shape[0]:
-            raise RecordError(
-                f"node {self.index}: {what} [{start}, {start + count}) outside the "
-                f"{array.shape[0]}-entry sidecar array"
-            )
-        return array[start : start + count]
+    fields = NodeFields(index, spec)
+    values: dict[str, Any] = {}
+    extra: dict[str, np.ndarray] = {}
+    for name in KINDS:
+        kind = REGISTRY[name]
+        loaded = kind.load(fields, lambda name=name: arrays.get(name))
+        if kind.own:
+            values.update(loaded)
+        else:
+            extra.update((k, v) for k, v in loaded.items() if v is not None)
+    return Tokens(**values, media=list(spec.get("media") or []), extra=extra or None)

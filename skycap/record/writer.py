@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -12,20 +11,18 @@ import numpy as np
 import orjson
 import zstandard
 
-from skycap.graph import Graph, Node, Tokens
+from skycap.graph import Graph, Node
 from skycap.record.layout import (
     FORMAT_VERSION,
-    Column,
     Payload,
     document_name,
     is_plain_name,
-    little_endian,
     sidecar_name,
     temp_name,
 )
+from skycap.record.sidecars import KINDS, REGISTRY
+from skycap.record.tokens_kind import text_problem, warn_no_text
 from skycap.trajectory import Trajectory
-
-logger = logging.getLogger(__name__)
 
 DecodeSpans = Callable[[list[int], list[int]], tuple[bytes, list[int]]]
 # format.md §6.1: a node's text is decoded primed with its parent's last 8 tokens
@@ -94,30 +91,13 @@ def finalise_text(trajectory: Trajectory, decode_spans: DecodeSpans) -> None:
             text = bytes(text)
             offsets = np.asarray(offsets, dtype=np.int32)
         except Exception as exc:  # a tokenizer can fail in many ways; the record must not
-            _warn_no_text(trajectory.id, node, f"decoding failed: {type(exc).__name__}: {exc}")
+            warn_no_text(trajectory.id, node, f"decoding failed: {type(exc).__name__}: {exc}")
             continue
         problem = text_problem(tokens.length, text, offsets)
         if problem is not None:
-            _warn_no_text(trajectory.id, node, problem)
+            warn_no_text(trajectory.id, node, problem)
             continue
         tokens.text, tokens.text_offsets = text, offsets
-
-
-def text_problem(length: int, text: bytes, offsets: np.ndarray | None) -> str | None:
-    """Why per-token text offsets cannot be written (format.md §6.1), or None."""
-    if offsets is None:
-        return "text without per-token offsets"
-    if offsets.shape != (length,):
-        return f"{offsets.size} text offsets for {length} tokens"
-    if length == 0:
-        return None
-    if offsets[0] < 0:
-        return f"first text offset {int(offsets[0])} is negative"
-    if offsets[-1] > len(text):
-        return f"last text offset {int(offsets[-1])} is past the text's {len(text)} bytes"
-    if np.any(np.diff(offsets) < 0):
-        return "text offsets decrease"
-    return None
 
 
 def _context(graph: Graph, node: Node) -> list[int]:
@@ -129,164 +109,32 @@ def _context(graph: Graph, node: Node) -> list[int]:
     return parent_tokens.ids[-CONTEXT_TOKENS:].tolist()
 
 
-def _warn_no_text(trajectory_id: str, node: Node, reason: str) -> None:
-    logger.warning("%s node %d: text not recorded: %s", trajectory_id, node.id, reason)
-
-
 class _SidecarBuilder:
-    """Collects every token node's arrays as column pieces and assigns its slots (format.md §5)."""
+    """Collects every token node's arrays as column pieces of each kind and assigns its
+    slots (format.md §5): one collector per registered kind."""
 
     def __init__(self, trajectory_id: str) -> None:
-        self.trajectory_id = trajectory_id
-        self.has_tokens = False
-        self.ids: list[np.ndarray] = []
-        self.logprobs: list[np.ndarray] = []
-        self.text_offsets: list[np.ndarray] = []
-        self.text: list[np.ndarray] = []
-        self.experts: list[np.ndarray] = []
-        self.experts_dtype: np.dtype | None = None
-        self.mask_ids: list[np.ndarray] = []
-        self.mask_offsets: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-        self.token_cursor = 0
-        self.text_cursor = 0
-        self.experts_cursor = 0
-        self.mask_row_cursor = 0
-        self.mask_id_cursor = 0
-        # Shared fill values, sliced per node instead of allocated per node.
-        self._nan = np.empty(0, dtype=np.float64)
-        self._zeros = np.empty(0, dtype=np.int32)
+        self.collectors = {name: REGISTRY[name].collector(trajectory_id) for name in KINDS}
 
     def add(self, node: Node) -> dict[str, Any] | None:
         """The node's `tokens` object (format.md §5, key order kept), its arrays queued."""
         tokens = node.tokens
         if tokens is None:
             return None
-        self.has_tokens = True
-        length = tokens.length
-        entry = {
-            "offset": self.token_cursor,
-            "length": length,
-            "sampled_start": None if tokens.sampled_start is None else int(tokens.sampled_start),
-            "has_logprobs": self._add_logprobs(node, tokens),
-            **self._add_text(node, tokens),
-            **self._add_experts(node, tokens),
-            **self._add_mask(node, tokens),
-            "media": tokens.media,
-        }
-        self.ids.append(tokens.ids)
-        self.token_cursor += length
-        return entry
-
-    def _add_logprobs(self, node: Node, tokens: Tokens) -> bool:
-        if tokens.logprobs is None:
-            self.logprobs.append(self._fill_nan(tokens.length))
-            return False
-        if tokens.logprobs.shape != (tokens.length,):
-            raise ValueError(
-                f"node {node.id}: logprobs of shape {tokens.logprobs.shape} for "
-                f"{tokens.length} tokens"
-            )
-        self.logprobs.append(tokens.logprobs)
-        return True
-
-    def _add_text(self, node: Node, tokens: Tokens) -> dict[str, Any]:
-        if tokens.text is None:
-            self.text_offsets.append(self._fill_zeros(tokens.length))
-            return {"text_offset": None, "text_bytes": 0}
-        offsets = None if tokens.text_offsets is None else np.asarray(tokens.text_offsets)
-        problem = text_problem(tokens.length, tokens.text, offsets)
-        if problem is not None:
-            _warn_no_text(self.trajectory_id, node, problem)
-            self.text_offsets.append(self._fill_zeros(tokens.length))
-            return {"text_offset": None, "text_bytes": 0}
-        entry = {"text_offset": self.text_cursor, "text_bytes": len(tokens.text)}
-        self.text_offsets.append(offsets)
-        self.text.append(np.frombuffer(tokens.text, dtype=np.uint8))
-        self.text_cursor += len(tokens.text)
-        return entry
-
-    def _add_experts(self, node: Node, tokens: Tokens) -> dict[str, Any]:
-        experts = tokens.experts
-        if experts is None:
-            return {"experts_offset": None, "experts_rows": 0}
-        if experts.ndim != 3 or experts.shape[0] != tokens.length:
-            raise ValueError(
-                f"node {node.id}: routed experts of shape {experts.shape} for "
-                f"{tokens.length} tokens; expected [{tokens.length}, layers, k]"
-            )
-        if self.experts_dtype is None:
-            # The first array fixes the column's dtype and (layers, k); later ones cast.
-            self.experts_dtype = little_endian(experts.dtype, f"node {node.id} routed experts")
-        elif experts.shape[1:] != self.experts[0].shape[1:]:
-            raise ValueError(
-                f"node {node.id}: routed experts (layers, k) = {experts.shape[1:]} differ "
-                f"from the first node's {self.experts[0].shape[1:]}"
-            )
-        entry = {"experts_offset": self.experts_cursor, "experts_rows": tokens.length}
-        self.experts.append(experts)
-        self.experts_cursor += tokens.length
-        return entry
-
-    def _add_mask(self, node: Node, tokens: Tokens) -> dict[str, Any]:
-        bounds = tokens.mask_offsets
-        if bounds is None:
-            return {"mask_offset": None, "mask_rows": 0}
-        if (
-            bounds.ndim != 1
-            or bounds.shape[0] < 1
-            or bounds[0] < 0
-            or bounds[-1] > tokens.mask_ids.shape[0]
-            or np.any(np.diff(bounds) < 0)
-        ):
-            raise ValueError(
-                f"node {node.id}: sampling-mask offsets {bounds.tolist()} are not CSR bounds "
-                f"over {tokens.mask_ids.shape[0]} ids"
-            )
-        rows = tokens.mask_rows
-        entry = {"mask_offset": self.mask_row_cursor, "mask_rows": rows}
-        if rows:
-            start, end = int(bounds[0]), int(bounds[-1])
-            self.mask_ids.append(tokens.mask_ids[start:end])
-            self.mask_offsets.append(bounds[1:] - start + self.mask_id_cursor)
-            self.mask_id_cursor += end - start
-            self.mask_row_cursor += rows
+        entry: dict[str, Any] = {}
+        for collector in self.collectors.values():
+            entry.update(collector.add(node, tokens))
+        entry["media"] = tokens.media
         return entry
 
     def payloads(self) -> dict[str, Payload]:
         """kind → payload for each kind that has data, in kind order (format.md §1)."""
         payloads = {}
-        if self.has_tokens:
-            payloads["tokens"] = Payload(
-                [
-                    Column("token_ids", np.int32, self.ids),
-                    Column("logprobs", np.float64, self.logprobs),
-                    Column("text_offsets", np.int32, self.text_offsets),
-                    Column("text", np.uint8, self.text),
-                ]
-            )
-        if self.experts_dtype is not None:
-            item_shape = tuple(int(n) for n in self.experts[0].shape[1:])
-            payloads["experts"] = Payload(
-                [Column("routed_experts", self.experts_dtype, self.experts, item_shape)]
-            )
-        if self.mask_row_cursor > 0:  # an all-empty mask writes no sidecar (format.md §7)
-            payloads["sampling_mask"] = Payload(
-                [
-                    Column("ids", np.int32, self.mask_ids),
-                    Column("offsets", np.int64, self.mask_offsets),
-                ]
-            )
+        for kind, collector in self.collectors.items():
+            columns = collector.columns()
+            if columns is not None:
+                payloads[kind] = Payload(columns)
         return payloads
-
-    def _fill_nan(self, length: int) -> np.ndarray:
-        if self._nan.shape[0] < length:
-            self._nan = np.full(max(length, 2 * self._nan.shape[0]), np.nan)
-        return self._nan[:length]
-
-    def _fill_zeros(self, length: int) -> np.ndarray:
-        if self._zeros.shape[0] < length:
-            self._zeros = np.zeros(max(length, 2 * self._zeros.shape[0]), dtype=np.int32)
-        return self._zeros[:length]
 
 
 def _write_file(

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from skycap.record.journal import Journal, replay_journals
-from skycap.record.layout import KINDS, document_name, sidecar_name
+from skycap.record.layout import document_name, sidecar_name
 from skycap.record.mirror import RecordMirror
 from skycap.record.reader import (
     RecordError,
@@ -28,6 +28,7 @@ from skycap.record.reader import (
     record_document,
     trajectory_from_document,
 )
+from skycap.record.sidecars import KINDS
 from skycap.record.writer import write_record
 from skycap.server.options import ServerOptions
 from skycap.trajectory import Trajectory, is_trajectory_id

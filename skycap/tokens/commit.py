@@ -8,6 +8,7 @@ seals the trajectory `failed` (docs/tokens.md "Outcomes the harness sees").
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,8 @@ from skycap.hashing import token_client_delta, token_match, token_model_delta
 from skycap.tokens.engine import EngineOutput
 from skycap.tokens.plan import Plan
 from skycap.trajectory import Trajectory
+
+_TOKEN_FIELDS = frozenset(f.name for f in dataclasses.fields(Tokens))
 
 
 class CommitError(ValueError):
@@ -95,6 +98,9 @@ def _check_turn(
         raise CommitError(
             f"sampling mask has {len(output.sampling_mask)} rows for {count} completion tokens"
         )
+    for name, rows in (output.extra or {}).items():
+        if rows.ndim < 1 or rows.shape[0] != count:
+            raise CommitError(f"{name} has shape {rows.shape} for {count} completion tokens")
     experts = output.routed_experts
     if experts is None:
         return
@@ -152,7 +158,7 @@ def _model_tokens(plan: Plan, output: EngineOutput, experts: np.ndarray | None) 
         if output.routed_experts is not None
         else 0
     )
-    return Tokens(
+    tokens = Tokens(
         ids=ids,
         sampled_start=scaffold,
         logprobs=logprobs,
@@ -162,6 +168,20 @@ def _model_tokens(plan: Plan, output: EngineOutput, experts: np.ndarray | None) 
         experts_placeholder=experts is not None
         and covered < len(plan.prompt_ids) + len(output.completion_ids),
     )
+    _add_extra(tokens, scaffold, output)
+    return tokens
+
+
+def _add_extra(tokens: Tokens, scaffold: int, output: EngineOutput) -> None:
+    """The model node's rows of each kind in `output.extra`: zeros over the scaffold, then
+    the engine's, in the `Tokens` field of that name or else in `Tokens.extra`."""
+    for name, rows in (output.extra or {}).items():
+        block = np.zeros((scaffold + rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+        block[scaffold:] = rows
+        if name in _TOKEN_FIELDS:
+            setattr(tokens, name, block)
+        else:
+            tokens.extra = {**(tokens.extra or {}), name: block}
 
 
 def _replace_placeholder(trajectory: Trajectory, plan: Plan, output: EngineOutput) -> None:

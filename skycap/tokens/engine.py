@@ -55,6 +55,9 @@ class EngineOutput:
     sampling_mask: list[list[int]] | None = None
     #: The engine's own finish reason when it differs from `finish_reason` (`repetition`).
     engine_finish_reason: str | None = None
+    #: Rows per completion token of other sidecar kinds (skycap/record/sidecars.py), by the
+    #: kind's field name; the commit gives the scaffold zero rows.
+    extra: dict[str, np.ndarray] | None = None
 
     @property
     def missing_logprobs(self) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 
 from skycap.linearity import MalformedDocument, forks
+from skycap.record.sidecars import REGISTRY
 
 ERROR, WARN, INFO = "error", "warn", "info"
 
@@ -351,14 +352,11 @@ def malformed_kinds(document: Mapping[str, Any]) -> list[tuple[int, str]]:
         if not isinstance(node, dict) or node.get("tokens") is None:
             continue
         tokens = as_dict(node.get("tokens"))
-        slices = {
-            "tokens": True,
-            "experts": tokens.get("experts_offset") is not None,
-            "sampling_mask": tokens.get("mask_offset") is not None
-            and is_int(tokens.get("mask_rows"))
-            and tokens["mask_rows"] > 0,
-        }
-        found += [(i, kind) for kind, used in slices.items() if used and kind not in manifest]
+        found += [
+            (i, name)
+            for name, kind in REGISTRY.items()
+            if name not in manifest and kind.slices(tokens)
+        ]
     return found
 
 

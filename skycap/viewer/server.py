@@ -24,6 +24,7 @@ import orjson
 from skycap.local_http import LocalHTTPServer
 from skycap.record.reader import RecordError, read_sidecar
 from skycap.record.remote import MirrorCache
+from skycap.record.tokens_kind import TOKEN_ARRAYS
 from skycap.viewer import derive
 from skycap.viewer.groups import (
     DEFAULT_GROUP_BY,
@@ -37,7 +38,6 @@ from skycap.viewer.groups import (
 from skycap.viewer.index import MIRROR_INTERVAL, Index, Run
 from skycap.viewer.validate import (
     DOCUMENT_SUFFIX,
-    TOKEN_ARRAYS,
     document_problems,
     listed_files,
     read_document,

@@ -21,27 +21,13 @@ import zstandard
 
 from skycap.record.frames import FrameError, content_size_problem, zstd_frames
 from skycap.record.layout import DOCUMENT_SUFFIX, DTYPES, FORMAT_VERSION
-from skycap.record.layout import KINDS as SIDECAR_KINDS
+from skycap.record.sidecar_kind import ABSENT, show
+from skycap.record.sidecars import KINDS, REGISTRY, TOKENS, attached, kind_order
 from skycap.trajectory import STATUSES
 from skycap.viewer.derive import as_dict, as_list, is_int, malformed_kinds
 
-TOKEN_ARRAYS = ("token_ids", "logprobs", "text_offsets", "text")
-# The arrays each sidecar kind must list (format.md §6).
-KIND_ARRAYS = {
-    "tokens": TOKEN_ARRAYS,
-    "experts": ("routed_experts",),
-    "sampling_mask": ("ids", "offsets"),
-}
 PROBLEMS_PER_LINE = 5
 DEFAULT_LIMIT = 20
-
-
-# Stands for a key the document does not have, so `show` can say so.
-ABSENT = object()
-
-
-def show(value: Any) -> str:
-    return orjson.dumps(value).decode() if value is not ABSENT else "absent"
 
 
 def decompress(data: bytes) -> tuple[bytes, int]:
@@ -213,11 +199,6 @@ def _token_rules(
     return token_cursor + length, text_cursor + (text_bytes if is_int(text_bytes) else 0)
 
 
-def _array_shape0(entry: Any, name: str) -> int | None:
-    shape = as_dict(as_dict(as_dict(entry).get("arrays")).get(name)).get("shape")
-    return shape[0] if isinstance(shape, list) and shape and is_int(shape[0]) else None
-
-
 def _manifest_rules(document: Mapping[str, Any]) -> list[str]:
     """Rules 12, 13, 15 and 16: the manifest against what the nodes cover."""
     problems: list[str] = []
@@ -225,35 +206,16 @@ def _manifest_rules(document: Mapping[str, Any]) -> list[str]:
     if manifest is not None and not isinstance(manifest, dict):
         return ["sidecars is not an object"]
     manifest = as_dict(manifest)
-    tokens = [as_dict(as_dict(n).get("tokens")) for n in as_list(document.get("nodes"))]
     if "tokens" in manifest:
-        entry = manifest["tokens"]
-        covered = sum(t["length"] for t in tokens if is_int(t.get("length")))
-        found = _array_shape0(entry, "token_ids")
-        if found != covered:
-            problems.append(f"tokens sidecar has {show(found)} tokens, nodes cover {covered}")
-        text = sum(t["text_bytes"] for t in tokens if is_int(t.get("text_bytes")))
-        found = _array_shape0(entry, "text")
-        if found != text:
-            problems.append(f"tokens sidecar has {show(found)} text bytes, nodes cover {text}")
-        for name, array in as_dict(as_dict(entry).get("arrays")).items():
-            offset = as_dict(array).get("offset", ABSENT)
-            if not is_int(offset) or offset % 8:
-                problems.append(f"tokens.{name} offset {show(offset)} not a multiple of 8")
+        problems += TOKENS.manifest_problems(document, manifest["tokens"])
     problems += [
         f"node {i} slices into {kind}, which is not in the sidecars manifest"
         for i, kind in malformed_kinds(document)
     ]
-    problems += [f"unknown sidecar kind {show(k)}" for k in manifest if k not in SIDECAR_KINDS]
-    if "sampling_mask" in manifest:
-        rows = sum(
-            t["mask_rows"]
-            for t in tokens
-            if t.get("mask_offset") is not None and is_int(t.get("mask_rows"))
-        )
-        found = _array_shape0(manifest["sampling_mask"], "offsets")
-        if found != rows + 1:
-            problems.append(f"sampling_mask offsets has {show(found)} entries for {rows} rows")
+    problems += [f"unknown sidecar kind {show(k)}" for k in manifest if k not in KINDS]
+    for kind in attached():
+        if kind.name in manifest:
+            problems += kind.manifest_problems(document, manifest[kind.name])
     return problems
 
 
@@ -325,129 +287,11 @@ def token_arrays(
             continue
         arrays[name] = np.frombuffer(payload, dtype=dt, count=count, offset=offset).reshape(shape)
     problems += [
-        f"{kind} sidecar has no {name} array" for name in KIND_ARRAYS[kind] if name not in listed
+        f"{kind} sidecar has no {name} array"
+        for name in REGISTRY[kind].arrays
+        if name not in listed
     ]
     return arrays, problems
-
-
-def _is_continuation(text: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    inside = positions < text.shape[0]
-    found = np.zeros(positions.shape, dtype=bool)
-    found[inside] = (text[positions[inside]] & 0xC0) == 0x80
-    return found
-
-
-def _span_problem(i: int, text: np.ndarray, starts: np.ndarray, text_bytes: int) -> str | None:
-    """The first token of a node whose text span is out of order, out of range or not whole."""
-    if not starts.size:
-        return None
-    ends = np.append(starts[1:], text_bytes)
-    bad = np.flatnonzero((starts < 0) | (ends < starts) | (ends > text_bytes))
-    if bad.size:
-        k = int(bad[0])
-        return f"node {i} token {k} span [{starts[k]}, {ends[k]}) is outside or out of order"
-    try:
-        text.tobytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        k = int(np.searchsorted(ends, exc.start, side="right"))
-        return f"node {i} token {min(k, starts.size - 1)} span is not whole UTF-8 characters"
-    nonempty = ends > starts
-    cut = nonempty & (_is_continuation(text, starts) | _is_continuation(text, ends))
-    bad = np.flatnonzero(cut)
-    if bad.size:
-        return f"node {i} token {int(bad[0])} span is not whole UTF-8 characters"
-    return None
-
-
-def token_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[str]:
-    """Rule 14 per node, against the decoded tokens sidecar."""
-    if any(name not in arrays for name in TOKEN_ARRAYS):
-        return []
-    n = arrays["token_ids"].shape[0]
-    text = arrays["text"].reshape(-1).view(np.uint8)
-    problems = []
-    for i, node in enumerate(as_list(document.get("nodes"))):
-        tokens = as_dict(as_dict(node).get("tokens"))
-        offset, length = tokens.get("offset"), tokens.get("length")
-        if not is_int(offset) or not is_int(length):
-            continue
-        if offset < 0 or offset + length > n:
-            problems.append(
-                f"node {i} tokens [{offset}, {offset + length}) outside the {n}-token sidecar"
-            )
-            continue
-        text_offset, text_bytes = tokens.get("text_offset"), tokens.get("text_bytes")
-        if is_int(text_offset) and is_int(text_bytes):
-            if text_offset < 0 or text_offset + text_bytes > text.shape[0]:
-                problems.append(
-                    f"node {i} text [{text_offset}, {text_offset + text_bytes}) outside the "
-                    f"{text.shape[0]}-byte text"
-                )
-            else:
-                own = text[text_offset : text_offset + text_bytes]
-                starts = arrays["text_offsets"][offset : offset + length].astype(np.int64)
-                problem = _span_problem(i, own, starts, text_bytes)
-                if problem:
-                    problems.append(problem)
-        start = tokens.get("sampled_start")
-        if as_dict(node).get("author") == "model" and tokens.get("has_logprobs") is True:
-            if is_int(start) and 0 <= start <= length:
-                scaffold = arrays["logprobs"][offset : offset + start]
-                bad = np.flatnonzero(~(np.isnan(scaffold) | (scaffold == 0)))
-                if bad.size:
-                    k = int(bad[0])
-                    problems.append(
-                        f"node {i}: scaffold token {k} logprob {float(scaffold[k])!r}, "
-                        "expected 0 or NaN"
-                    )
-    return problems
-
-
-def experts_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[str]:
-    """The experts sidecar against the nodes: [rows, layers, k], every node's rows inside."""
-    rows = arrays.get("routed_experts")
-    if rows is None:
-        return []
-    if rows.ndim != 3:
-        return [f"routed_experts has shape {list(rows.shape)}; expected [rows, layers, k]"]
-    problems = []
-    for i, node in enumerate(as_list(document.get("nodes"))):
-        tokens = as_dict(as_dict(node).get("tokens"))
-        start, count = tokens.get("experts_offset"), tokens.get("experts_rows")
-        if is_int(start) and is_int(count) and not 0 <= start <= start + count <= rows.shape[0]:
-            problems.append(
-                f"node {i} experts [{start}, {start + count}) outside the "
-                f"{rows.shape[0]}-row sidecar"
-            )
-    return problems
-
-
-def mask_problems(document: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> list[str]:
-    """The sampling-mask sidecar: CSR offsets that rise within its ids, node rows inside."""
-    ids, offsets = arrays.get("ids"), arrays.get("offsets")
-    if ids is None or offsets is None:
-        return []
-    if offsets.ndim != 1 or offsets.shape[0] < 1:
-        return [f"sampling_mask offsets has shape {list(offsets.shape)}"]
-    if offsets[0] != 0 or offsets[-1] > ids.shape[0] or np.any(np.diff(offsets) < 0):
-        return [f"sampling_mask offsets are not CSR bounds over its {ids.shape[0]} ids"]
-    problems = []
-    for i, node in enumerate(as_list(document.get("nodes"))):
-        tokens = as_dict(as_dict(node).get("tokens"))
-        start, rows = tokens.get("mask_offset"), tokens.get("mask_rows")
-        if is_int(start) and is_int(rows) and not 0 <= start <= start + rows < offsets.shape[0]:
-            problems.append(
-                f"node {i} mask rows [{start}, {start + rows}) outside the "
-                f"{offsets.shape[0] - 1}-row sidecar"
-            )
-    return problems
-
-
-_KIND_PROBLEMS = {
-    "tokens": token_problems,
-    "experts": experts_problems,
-    "sampling_mask": mask_problems,
-}
 
 
 def sidecar_problems(record_dir: Path, document: Mapping[str, Any]) -> tuple[list[str], list[str]]:
@@ -472,10 +316,10 @@ def sidecar_problems(record_dir: Path, document: Mapping[str, Any]) -> tuple[lis
             problems.append(f"{name}: {exc}")
             continue
         problems += frames_problem(name, count)
-        if kind not in _KIND_PROBLEMS:
+        if kind not in REGISTRY:
             continue  # an unknown kind is reported by the manifest rules
         arrays, array_problems = token_arrays(payload, as_dict(manifest[kind]), kind)
-        problems += array_problems + _KIND_PROBLEMS[kind](document, arrays)
+        problems += array_problems + REGISTRY[kind].problems(document, arrays)
     return problems, missing
 
 
@@ -520,14 +364,10 @@ class DirectoryReport:
         out = [line + ("" if self.sidecars else " (documents only)")]
         if self.missing:
             counts = ", ".join(
-                f"{kind} {self.missing[kind]}" for kind in sorted(self.missing, key=_kind_order)
+                f"{kind} {self.missing[kind]}" for kind in sorted(self.missing, key=kind_order)
             )
             out.append(f"{self.directory}: listed sidecar files not here, read as absent: {counts}")
         return out
-
-
-def _kind_order(kind: str) -> tuple[int, str]:
-    return (SIDECAR_KINDS.index(kind) if kind in SIDECAR_KINDS else len(SIDECAR_KINDS), kind)
 
 
 def check_document(record_dir: Path, doc_id: str, *, sidecars: bool) -> tuple[list[str], list[str]]:
