@@ -15,7 +15,7 @@ PACKAGE = ROOT / "skycap"
 LAYERS = [
     ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.dialects"),
     ("skycap.graph",),
-    ("skycap.trajectory",),
+    ("skycap.trajectory", "skycap.calls"),
     ("skycap.record", "skycap.text", "skycap.tokens"),
     ("skycap.samples", "skycap.linearity"),
     (
@@ -95,6 +95,7 @@ INNER_LAYERS = [
             "skycap.tokens.deltas",
             "skycap.tokens.models",
             "skycap.tokens.outcome",
+            "skycap.tokens.options",
         ),
         (
             "skycap.tokens.memo_tokenizer",
@@ -104,7 +105,6 @@ INNER_LAYERS = [
         ),
         (
             "skycap.tokens.client",
-            "skycap.tokens.engine_stream",
             "skycap.tokens.stops",
             "skycap.tokens.plan",
             "skycap.tokens.commit",
@@ -113,7 +113,7 @@ INNER_LAYERS = [
             "skycap.tokens.settings",
         ),
         ("skycap.tokens.streaming", "skycap.tokens.relay"),
-        ("skycap.tokens.inference", "skycap.tokens.turn"),
+        ("skycap.tokens.turn",),
         ("skycap.tokens.backend",),
     ],
     [

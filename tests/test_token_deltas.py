@@ -7,8 +7,7 @@ import pytest
 
 from skycap.mock.engine_wire import npy_base64
 from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
-from skycap.tokens.engine import EngineError, VLLMEngine
-from skycap.tokens.engine_stream import EngineStream
+from skycap.tokens.engine import EngineError, EngineStream, VLLMEngine
 
 
 def feed_all(splitter: DeltaSplitter, pieces: list[str]) -> dict[str, str]:

@@ -7,6 +7,9 @@ spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
 - `name`: recorded on each call as `dialect` ("chat", "messages", "responses").
 - `reply_id_key`: the call key the reply's id is recorded under (`response_id` for
   Responses, whose later calls name earlier replies by id), or None.
+- `forced_tool_finish`: token mode's canonical finish reason for a reply that called the
+  named tool the request's `tool_choice` forced (`stop` for Chat Completions, as OpenAI
+  and vLLM answer; `tool_calls` for the others).
 - `read(body) -> Request`: check a parsed request body and read it into canonical messages,
   tools and sampling plus the dialect's extras; raises `wire.BodyError` (a 400) on bad input.
   Canonicalisation happens here, so both modes hash the same canonical messages.
@@ -224,6 +227,7 @@ class Dialect(Protocol):
     routes: tuple[Route, ...]
     caller_header: str | None
     api_host: str | None
+    forced_tool_finish: str
 
     def read(self, body: Any) -> Request: ...
 

@@ -265,6 +265,8 @@ class ChatDialect:
     routes = (Route("chat", "POST", "chat/completions", "/chat/completions"),)
     caller_header = None
     api_host = None
+    #: OpenAI and vLLM answer a call that forced a named tool with "stop", not "tool_calls".
+    forced_tool_finish = "stop"
 
     def read(self, body: Any) -> Request:
         body = check_chat_request(body)

@@ -366,6 +366,7 @@ class MessagesDialect:
     )
     caller_header = "anthropic-version"  # every Anthropic SDK sends it
     api_host = "api.anthropic.com"
+    forced_tool_finish = "tool_calls"
 
     def read(self, body: Any) -> Request:
         return read_request(body)

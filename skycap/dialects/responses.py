@@ -79,6 +79,7 @@ class ResponsesDialect:
     )
     caller_header = None
     api_host = None
+    forced_tool_finish = "tool_calls"
 
     def read(self, body: Any) -> Request:
         return read_request(body)

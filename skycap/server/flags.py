@@ -21,6 +21,7 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--logprobs-mode MODE` | `logprobs_mode` | `skycap_logprobs_mode` |
 | `--use-raw-content` | `use_raw_content` | `skycap_use_raw_content` |
 | `--keep-special-tokens` | `keep_special_tokens` | `skycap_keep_special_tokens` |
+| `--engine-wire WIRE` (`vllm`, `MODULE:CLASS`) | `engine` (a wire object) | `skycap_engine_wire` |
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
 | `--upstream-auth {bearer,x-api-key}` | `upstream_auth` | `skycap_upstream_auth` |
@@ -44,7 +45,6 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--proxy-allow RULE` (repeat; HOST or CIDR[:PORT]) | `proxy_allow` | `skycap_proxy_allow` |
 | `--proxy-deny RULE` (repeat) | `proxy_deny` | `skycap_proxy_deny` |
 | (none) | `renderer` (a ready renderer object) | (none) |
-| (none) | `engine` (the engine wire object) | (none) |
 | (none) | `keep_unrecorded` | (none) |
 | (none) | `advertise_host` | (none) |
 | (none) | `sweep_interval` | (none) |
@@ -64,6 +64,7 @@ import orjson
 from skycap.control_token import check_control_token
 from skycap.dialects.chat import REASONING_FIELDS
 from skycap.samples import BUILTIN_RULES, parse_rule_option
+from skycap.tokens.engine import load_wire
 
 MODES = ("text", "tokens")
 UPSTREAM_AUTH = ("bearer", "x-api-key")
@@ -251,6 +252,14 @@ FLAGS: tuple[Flag, ...] = (
         "token mode: decode raw content and match stop strings with special tokens kept "
         "(vLLM's skip_special_tokens=false; default: skipped, as vLLM does)",
         convert=None,
+    ),
+    Flag(
+        "--engine-wire",
+        "engine",
+        "token mode: the engine's wire: vllm (its /inference/v1/generate), or MODULE:CLASS "
+        "naming an engine wire class built with no arguments (default vllm; docs/tokens.md)",
+        convert=load_wire,
+        metavar="vllm|MODULE:CLASS",
     ),
     Flag(
         "--generation-config",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Mapping
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +28,7 @@ from skycap.server.flags import (
     MODES,
     UPSTREAM_AUTH,
 )
+from skycap.tokens.options import TokenOptions
 
 #: Hosts whose every uncaptured route is refused through the proxy, never forwarded.
 MODEL_API_HOSTS = (
@@ -47,33 +48,17 @@ MODEL_API_HOSTS = (
 GIB = 1 << 30
 
 
-@dataclass(frozen=True)
-class ServerOptions:
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions(TokenOptions):
     """Everything a capture server is built from; invalid combinations raise before any start.
 
-    `upstream_url` may be given positionally; every other option is keyword-only, and an
-    unknown keyword raises TypeError (docs/python.md "CaptureService(upstream_url, **options)").
+    The token-mode options (and `upstream_url`, `api_key`, `upstream_timeout`, which both
+    modes read) are TokenOptions', inherited. `upstream_url` may be given positionally;
+    every other option is keyword-only, and an unknown keyword raises TypeError
+    (docs/python.md "CaptureService(upstream_url, **options)").
     """
 
-    upstream_url: str | None = None
-    _: KW_ONLY
     mode: str = "text"
-    api_key: str | None = None
-    tokenizer: str | None = None
-    renderer: Any = None
-    renderer_pool_size: int = 8
-    renderer_name: str | None = None
-    chat_template_kwargs: Mapping[str, Any] | None = None
-    engine: Any = None
-    model: str | None = None
-    max_model_len: int | None = None
-    sampling_overrides: Mapping[str, Any] | None = None
-    sampling_mask: bool = False
-    logprobs_mode: str = "processed_logprobs"
-    use_raw_content: bool = False
-    keep_special_tokens: bool = False
-    generation_config: str | None = None
-    reasoning_field: str = "both"
     upstream_auth: str | None = None
     model_api_hosts: tuple[str, ...] = MODEL_API_HOSTS
     record_dir: str | Path | None = None
@@ -91,7 +76,6 @@ class ServerOptions:
     port: int = 0
     advertise_host: str = "127.0.0.1"
     max_body_size: int = GIB
-    upstream_timeout: float | None = None
     keepalive: float = 15.0
     sweep_interval: float = 60.0
     proxy_port: int | None = None

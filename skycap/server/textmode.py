@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from mitmproxy import http
 
+from skycap.calls import call_record, harness_mark, reply_id_mark
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
 from skycap.server.conns import Connections, client_connected
@@ -333,21 +334,17 @@ class TextCall:
         saw_end: bool,
         reply_id: Any = None,
     ) -> bool:
-        call = {
-            "t_start": self.t_start,
-            "t_end": time.time(),
-            "model": self.request.model,
-            "sampling": self.request.sampling,
-            "usage": usage if isinstance(usage, dict) else None,
-            "finish_reason": finish_reason if isinstance(finish_reason, str) else None,
-            "dialect": self.dialect.name,
-            **self.request.recorded,
-        }
-        if not saw_end:
-            call["harness_saw_end"] = False  # committed after the harness went away
-        key = self.dialect.reply_id_key
-        if key is not None and isinstance(reply_id, str):
-            call[key] = reply_id  # the upstream's id, which later calls may name
+        call = call_record(
+            self.request,
+            self.dialect,
+            t_start=self.t_start,
+            model=self.request.model,
+            sampling=self.request.sampling,
+            usage=usage if isinstance(usage, dict) else None,
+            finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            # the upstream's reply id, which later calls may name
+            marks={**harness_mark(saw_end), **reply_id_mark(self.dialect, reply_id)},
+        )
         try:
             node = commit_text_call(self.live.trajectory, self.request, reply, call)
         except Exception as exc:  # a reply that cannot be hashed is a failure, not a crash

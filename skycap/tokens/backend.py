@@ -10,8 +10,7 @@ event loop; the HTTP calls to the engine are skycap.tokens.client's.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,120 +18,35 @@ import orjson
 
 from skycap.dialects import Dialect, Request
 from skycap.dialects.chat import DIALECT as CHAT
-from skycap.dialects.chat import REASONING_FIELDS
-from skycap.tokens.client import EngineClient
-from skycap.tokens.engine import VLLMEngine
-from skycap.tokens.models import ServedModel
-from skycap.tokens.outcome import Reply, TurnFailed, closed, error
+from skycap.tokens.options import OPTION_NAMES, TokenOptions
+from skycap.tokens.outcome import Reply, TurnError, error, error_reply
 from skycap.tokens.relay import Relay
-from skycap.tokens.renderer import Renderer, RenderError
-from skycap.tokens.renderer_pool import renderer_pool
-from skycap.tokens.sampling import check_overrides, generation_folders, load_generation_config
+from skycap.tokens.renderer import RenderError
 from skycap.tokens.settings import TokenSettings
 from skycap.tokens.streaming import ReplyStream
-from skycap.tokens.turn import TrajectoryState, run_turn
+from skycap.tokens.turn import TokenTurn, TrajectoryState
 from skycap.trajectory import Trajectory
-
-logger = logging.getLogger(__name__)
-
-#: Options the server's options object carries for this backend (TokenBackend keywords).
-OPTION_NAMES = (
-    "upstream_url",
-    "api_key",
-    "tokenizer",
-    "renderer",
-    "renderer_name",
-    "renderer_pool_size",
-    "chat_template_kwargs",
-    "engine",
-    "model",
-    "max_model_len",
-    "sampling_overrides",
-    "sampling_mask",
-    "logprobs_mode",
-    "use_raw_content",
-    "keep_special_tokens",
-    "generation_config",
-    "reasoning_field",
-    "upstream_timeout",
-)
 
 
 class TokenBackend:
-    """Token mode for one server: a renderer pool, the engine wire and an HTTP client."""
+    """Token mode for one server: a renderer pool, the engine wire and an HTTP client.
 
-    def __init__(
-        self,
-        *,
-        upstream_url: str,
-        api_key: str | None = None,
-        tokenizer: str | None = None,
-        renderer: Renderer | None = None,
-        renderer_name: str | None = None,
-        renderer_pool_size: int = 8,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        engine: VLLMEngine | None = None,
-        model: str | None = None,
-        max_model_len: int | None = None,
-        sampling_overrides: Mapping[str, Any] | None = None,
-        sampling_mask: bool = False,
-        logprobs_mode: str = "processed_logprobs",
-        use_raw_content: bool = False,
-        keep_special_tokens: bool = False,
-        generation_config: str | None = None,
-        reasoning_field: str = "both",
-        upstream_timeout: float | None = None,
-    ) -> None:
-        if not upstream_url:
-            raise ValueError(
-                "token mode needs upstream_url: the engine root, e.g. http://engine:8000"
-            )
-        if sampling_overrides is not None and not isinstance(sampling_overrides, Mapping):
-            raise ValueError(
-                f"sampling_overrides must be a mapping, got {type(sampling_overrides).__name__}"
-            )
-        if reasoning_field not in REASONING_FIELDS:
-            raise ValueError(
-                f"reasoning_field must be one of {', '.join(REASONING_FIELDS)}, "
-                f"got {reasoning_field!r}"
-            )
-        overrides = dict(sampling_overrides or {})
-        check_overrides(overrides, sampling_mask)
-        generation_defaults, self.generation_source = load_generation_config(
-            generation_config, generation_folders(tokenizer)
-        )
-        self.upstream_url = upstream_url.rstrip("/")
-        engine = engine or VLLMEngine()
-        pool = renderer_pool(
-            tokenizer, renderer, renderer_name, chat_template_kwargs, renderer_pool_size
-        )
-        self.settings = TokenSettings(
-            engine=engine,
-            client=EngineClient(self.upstream_url, api_key, engine, upstream_timeout),
-            served=ServedModel(model or None),
-            pool=pool,
-            max_model_len=max_model_len,
-            reasoning_field=reasoning_field,
-            sampling_overrides=overrides,
-            sampling_mask=sampling_mask,
-            logprobs_mode=logprobs_mode,
-            use_raw_content=use_raw_content,
-            keep_special_tokens=keep_special_tokens,
-            generation_defaults=generation_defaults,
-            stop_token_ids=list(pool.primary.stop_token_ids),
-            think_end=getattr(pool.primary, "think_end_id", None),
-        )
+    Built from the TokenOptions keywords (skycap.tokens.options), checked once into the
+    TokenSettings every turn reads; an unknown keyword raises TypeError.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.settings = TokenSettings.build(TokenOptions(**options))
+        self.upstream_url = self.settings.upstream_url
         self.client = self.settings.client
         self.served = self.settings.served
-        self._pool = pool
+        self._pool = self.settings.pool
         self._states: dict[str, TrajectoryState] = {}
 
     @classmethod
-    def from_options(cls, options: Any) -> TokenBackend:
-        """Build from the server's options object, reading the OPTION_NAMES attributes it has."""
-        return cls(
-            **{name: getattr(options, name) for name in OPTION_NAMES if hasattr(options, name)}
-        )
+    def from_options(cls, options: TokenOptions) -> TokenBackend:
+        """Build from the server's options (a ServerOptions is a TokenOptions)."""
+        return cls(**{name: getattr(options, name) for name in OPTION_NAMES})
 
     @property
     def capture(self) -> dict[str, Any]:
@@ -142,9 +56,9 @@ class TokenBackend:
             "mode": "tokens",
             "engine": settings.engine.name,
             "tokenizer": self._pool.primary.name,
-            "logprobs_mode": settings.logprobs_mode,
+            "logprobs_mode": settings.options.logprobs_mode,
             "sampling_overrides": settings.sampling_overrides,
-            "use_raw_content": settings.use_raw_content,
+            "use_raw_content": settings.options.use_raw_content,
         }
 
     @property
@@ -180,19 +94,17 @@ class TokenBackend:
         """
         state = self._states.setdefault(trajectory.id, TrajectoryState())
         async with state.lock:
-            if not trajectory.is_open:
-                return closed(trajectory, dialect)
-            if request.token_refusal is not None:
-                return error(dialect, 400, request.token_refusal)
             relay = Relay(stream) if stream is not None and request.stream else None
+            turn = TokenTurn(
+                self.settings, trajectory, request, dialect, state, relay, harness_present
+            )
             try:
-                return await run_turn(
-                    self.settings, trajectory, request, dialect, state, relay, harness_present
-                )
-            except TurnFailed as failed:
+                return await turn.run()
+            except TurnError as failed:  # the one place a failed turn meets its dialect
+                reply = error_reply(dialect, failed)
                 if relay is not None:
-                    relay.fail(failed.reply.status, failed.reply.body)
-                return failed.reply
+                    relay.fail(reply.status, reply.body)
+                return reply
             except BaseException as exc:  # cancelled (the trajectory closed) or a bug
                 if relay is not None:
                     cancelled = isinstance(exc, asyncio.CancelledError)

@@ -1,8 +1,9 @@
-"""Token mode's HTTP wire to the engine: generate (whole or streamed), abort, models, release.
+"""Token mode's HTTP calls to the engine: generate (whole or streamed), abort, models, release.
 
 One `httpx.AsyncClient` per backend, made on first use (so on the serving event loop), with
-the engine's key as `Authorization: Bearer` when one is set. The backend decides what a
-reply means; this module only moves bytes and names transport failures.
+the engine's key as `Authorization: Bearer` when one is set. The engine wire
+(skycap.tokens.engine.EngineWire) names the routes, headers and bodies and reads the
+replies; this module only moves bytes and names transport failures.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from skycap.tokens.engine import EngineError, VLLMEngine
+from skycap.tokens.engine import EngineError, EngineWire
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class EngineClient:
         self,
         upstream_url: str,
         api_key: str | None,
-        engine: VLLMEngine,
+        engine: EngineWire,
         upstream_timeout: float | None,
     ) -> None:
         self.upstream_url = upstream_url
@@ -44,7 +45,7 @@ class EngineClient:
     async def generate(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
         """POST the generate request: (status, body); transport failures raise EngineError."""
         url = self.upstream_url + self.engine.generate_path
-        headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
+        headers = self._generate_headers(session_id)
         try:
             response = await self._http().post(url, content=payload, headers=headers)
         except httpx.ConnectTimeout as exc:
@@ -67,7 +68,7 @@ class EngineClient:
         closes the stream (vLLM aborts a request whose client went away).
         """
         url = self.upstream_url + self.engine.generate_path
-        headers = {"Content-Type": "application/json", "X-Session-ID": session_id, **self._auth()}
+        headers = self._generate_headers(session_id)
         request = self._http().build_request("POST", url, content=payload, headers=headers)
         try:
             response = await self._http().send(request, stream=True)
@@ -100,6 +101,13 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise self._transport_error(url, exc) from exc
 
+    def _generate_headers(self, session_id: str) -> dict[str, str]:
+        return {
+            "Content-Type": "application/json",
+            **self.engine.session_headers(session_id),
+            **self._auth(),
+        }
+
     def _transport_error(self, url: str, exc: httpx.HTTPError) -> EngineError:
         if isinstance(exc, httpx.ConnectTimeout):
             return EngineError(f"could not connect to {url} within {CONNECT_TIMEOUT:g} s")
@@ -109,20 +117,20 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> None:
         """Stop a streamed request inside the engine (best effort: the stream is closed too)."""
-        await self._best_effort(
-            "abort", request_id, self.engine.abort_path, json={"request_ids": [request_id]}
-        )
+        route = self.engine.abort(request_id)
+        if route is not None:
+            await self._best_effort("abort", request_id, route[0], json=route[1])
 
     @property
     def models_url(self) -> str:
-        return self.upstream_url + "/v1/models"
+        return self.upstream_url + self.engine.models_path
 
     async def models(self, timeout: Any = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
-        """GET the engine's `/v1/models`; transport failures raise httpx errors."""
+        """GET the engine's model list; transport failures raise httpx errors."""
         return await self._http().get(self.models_url, headers=self._auth(), timeout=timeout)
 
     async def list_models(self) -> tuple[int, bytes]:
-        """`/v1/models` briefly, for learning the served name: (status, body); transport
+        """The model list briefly, for learning the served name: (status, body); transport
         failures raise httpx errors (skycap.tokens.models.ServedModel's lister)."""
         response = await self.models(timeout=CONNECT_TIMEOUT)
         return response.status_code, response.content
@@ -130,14 +138,12 @@ class EngineClient:
     async def release(self, session_id: str) -> None:
         """Ask the engine to drop the session's state
         (best effort, docs/tokens.md "Engines and renderers")."""
-        await self._best_effort(
-            "release", session_id, self.engine.release_path, params={"session_id": session_id}
-        )
+        route = self.engine.release(session_id)
+        if route is not None:
+            await self._best_effort("release", session_id, route[0], params=route[1])
 
-    async def _best_effort(self, what: str, subject: str, path: str | None, **request: Any) -> None:
+    async def _best_effort(self, what: str, subject: str, path: str, **request: Any) -> None:
         """POST to one of the engine's optional routes; a failure is one info line, no more."""
-        if not path:
-            return
         try:
             response = await self._http().post(
                 self.upstream_url + path, headers=self._auth(), timeout=RELEASE_TIMEOUT, **request

@@ -1,21 +1,27 @@
-"""The engine wire: sampling merge, the vLLM `/inference/v1/generate` request body and reply reader.
+"""The engine wire: what token mode says to an engine and how it reads the answers.
 
-No HTTP happens here; the turn runner posts `VLLMEngine.request(...)` and hands the decoded
-JSON to `VLLMEngine.parse(...)` (http.md §3.2, docs/tokens.md "The engine: vLLM", and
-docs/tokens.md "Engines and renderers"). Other engines subclass VLLMEngine.
+`EngineWire` is the protocol: the generate request body, the reply and stream-chunk
+readers, the session header, the abort and release requests and the served-model lookup.
+`VLLMEngine` speaks vLLM's `/inference/v1/generate` and is the default; another engine is
+one module with a class of its own, chosen with `--engine-wire MODULE:CLASS`
+(docs/tokens.md, "Engines and renderers"). No HTTP happens here: skycap.tokens.client
+moves the bytes the wire names, and the turn hands the decoded replies back to it
+(http.md §3.2, docs/tokens.md "The engine: vLLM").
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import importlib
 import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import orjson
 
 from skycap.arrays import PackedArrayError, unpack
 
@@ -92,11 +98,107 @@ def merge_sampling(
     return merged
 
 
+class StreamReader(Protocol):
+    """One streamed reply, read chunk by chunk into the EngineOutput a whole reply gives."""
+
+    #: The completion's token ids so far, in engine order.
+    token_ids: list[int]
+    #: Whether a chunk carried the finish reason.
+    finished: bool
+    #: The engine's id for this request, for an abort, once a chunk named it.
+    request_id: str | None
+
+    def feed(self, chunk: Any) -> list[int]:
+        """Read one decoded `data:` chunk; the token ids it added. Raises EngineError."""
+        ...
+
+    def finish(self, *, stopped: bool = False) -> EngineOutput:
+        """The whole reply (`stopped`: skycap cut a stop string and aborted it)."""
+        ...
+
+
+class EngineWire(Protocol):
+    """What token mode asks of an engine's wire; VLLMEngine is the one it uses by default."""
+
+    #: Recorded as the trajectory's `capture.engine`.
+    name: str
+    #: The route generate requests are posted to (the stream too), from the engine root.
+    generate_path: str
+    #: The route listing the served models, from the engine root.
+    models_path: str
+
+    def request(
+        self,
+        *,
+        prompt_ids: Sequence[int],
+        sampling: Mapping[str, Any],
+        model: str | None,
+        cache_salt: str | None,
+        sampling_mask: bool,
+        routes_from: int = 0,
+        features: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The generate request body; ValueError for what the engine would refuse."""
+        ...
+
+    def stream_request(self, body: Mapping[str, Any], request_id: str) -> dict[str, Any] | None:
+        """The streamed form of a `request(...)` body, or None when the wire cannot stream."""
+        ...
+
+    def parse(self, body: Any, *, routes_from: int = 0) -> EngineOutput:
+        """Read a decoded generate reply; EngineError when it cannot be used."""
+        ...
+
+    def stream_reader(self, routes_from: int) -> StreamReader:
+        """A reader for the chunks of one streamed reply."""
+        ...
+
+    def session_headers(self, session_id: str) -> dict[str, str]:
+        """Headers naming the trajectory on each generate request (for sticky routing)."""
+        ...
+
+    def abort(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
+        """(route, JSON body) stopping a streamed request early, or None: closing is all."""
+        ...
+
+    def release(self, session_id: str) -> tuple[str, dict[str, str]] | None:
+        """(route, query) dropping a finished session's engine state, or None."""
+        ...
+
+    def served_names(self, body: bytes) -> list[str]:
+        """The served model names in the body of a 200 from `models_path`, in order."""
+        ...
+
+
+def load_wire(spec: str) -> EngineWire:
+    """The wire `--engine-wire` names: `vllm`, or `MODULE:CLASS` built with no arguments."""
+    if spec == VLLMEngine.name:
+        return VLLMEngine()
+    module, _, attribute = spec.partition(":")
+    if not module or not attribute:
+        raise ValueError(
+            f"--engine-wire must be vllm or MODULE:CLASS (an importable class of an engine "
+            f"wire), got {spec!r}"
+        )
+    try:
+        wire = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--engine-wire {spec}: cannot import it: {exc}") from None
+    try:
+        return wire()
+    except TypeError as exc:
+        raise ValueError(
+            f"--engine-wire {spec}: cannot build it with no arguments: {exc}; give a class "
+            "whose constructor needs none"
+        ) from None
+
+
 class VLLMEngine:
-    """vLLM's generate wire; subclass and override attributes or hooks for other engines."""
+    """vLLM's generate wire (EngineWire); a subclass may override attributes or hooks."""
 
     name: str = "vllm"
     generate_path: str = "/inference/v1/generate"
+    models_path: str = "/v1/models"
     release_path: str | None = None
     #: Where a streamed request is stopped early (a stop string completed): vLLM 0.33's
     #: token_in_token_out/api_router.py `abort_requests`; None: closing the stream is all.
@@ -169,6 +271,26 @@ class VLLMEngine:
         has no stream returns None, and the reply is synthesised at the end instead.
         """
         return {**body, "stream": True, "request_id": request_id}
+
+    def stream_reader(self, routes_from: int) -> EngineStream:
+        return EngineStream(self, routes_from)
+
+    def session_headers(self, session_id: str) -> dict[str, str]:
+        """vLLM's routers pin a session to one replica by `X-Session-ID`."""
+        return {"X-Session-ID": session_id}
+
+    def abort(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
+        if not self.abort_path:
+            return None
+        return self.abort_path, {"request_ids": [request_id]}
+
+    def release(self, session_id: str) -> tuple[str, dict[str, str]] | None:
+        if not self.release_path:
+            return None
+        return self.release_path, {"session_id": session_id}
+
+    def served_names(self, body: bytes) -> list[str]:
+        return openai_model_ids(body)
 
     def parse(self, body: Any, *, routes_from: int = 0) -> EngineOutput:
         """Validate the decoded reply (docs/tokens.md "The engine: vLLM"), then read side
@@ -333,3 +455,118 @@ def _sampling_mask(mask: Any, n: int) -> list[list[int]]:
         if not isinstance(row, list) or not all(_is_token_id(t) for t in row):
             raise EngineError(f"sampling_mask row {i} must be a list of token ids, got {row!r}")
     return mask
+
+
+def openai_model_ids(body: bytes) -> list[str]:
+    """The `data[].id` values of an OpenAI model list (vLLM's `/v1/models`), in order."""
+    try:
+        listing = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return []
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+class EngineStream:
+    """vLLM's streamed reply (StreamReader): feed each decoded `data:` chunk; `finish()`
+    gives the EngineOutput or raises EngineError.
+
+    vLLM's streamed generate route (token_in_token_out/serving.py
+    `serve_tokens_stream_generator`, 0.26 and 0.33) sends one `data:` JSON chunk per engine
+    step: `choices[0]` carries that step's `token_ids`, their `logprobs.content` entries and
+    `sampling_mask` rows (v1/engine/output_processor.py clears the mask chunks per delta);
+    the chunk with a `finish_reason` carries the whole `routed_experts` array (concatenated
+    on finish). A usage chunk (`choices: []`) and `data: [DONE]` end it; a failure inside
+    the stream arrives as a `data:` object with an `error`. Everything is kept in the order
+    the engine sent it, and the finished reply is validated by `VLLMEngine.parse`, so a
+    streamed and a non-streamed reply are read by one set of rules.
+    """
+
+    def __init__(self, engine: VLLMEngine, routes_from: int) -> None:
+        self.engine = engine
+        self.routes_from = routes_from
+        self.token_ids: list[int] = []
+        self._logprobs: list[Any] = []
+        self._mask: list[Any] | None = None
+        self._experts: list[Any] = []
+        self.finish_reason: Any = None
+        self.finished = False
+        #: The engine's id for this request (`request_id` of its chunks), for an abort.
+        self.request_id: str | None = None
+        self.chunks = 0
+
+    def feed(self, chunk: Any) -> list[int]:
+        """Read one chunk; returns the token ids it added (in engine order)."""
+        if not isinstance(chunk, dict):
+            raise EngineError(f"a stream chunk is not a JSON object: {chunk!r:.200}")
+        if "error" in chunk and chunk.get("error") is not None:
+            raise EngineError(f"the engine's stream reported an error: {chunk['error']!r:.500}")
+        self.chunks += 1
+        if isinstance(chunk.get("request_id"), str):
+            self.request_id = chunk["request_id"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            raise EngineError(f"a stream chunk has no choices list: {chunk!r:.200}")
+        if not choices:
+            return []  # the usage chunk
+        if len(choices) != 1 or not isinstance(choices[0], dict):
+            raise EngineError("expected exactly one choice in each stream chunk")
+        if self.finished:
+            raise EngineError("the engine's stream sent tokens after its finish reason")
+        choice = choices[0]
+        ids = choice.get("token_ids") or []
+        if not isinstance(ids, list):
+            raise EngineError(f"a stream chunk's token_ids is not a list: {ids!r:.200}")
+        logprobs = choice.get("logprobs")
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if ids and not isinstance(content, list):
+            raise EngineError(
+                "the engine streamed tokens without sampled-token logprobs; token capture "
+                "requires them"
+            )
+        self.token_ids.extend(ids)
+        self._logprobs.extend(content or ())
+        mask = choice.get("sampling_mask")
+        if mask is not None:
+            if not isinstance(mask, list):
+                raise EngineError(f"sampling_mask must be a list of rows, got {mask!r:.200}")
+            self._mask = (self._mask or []) + mask
+        experts = choice.get("routed_experts")
+        if experts is not None:
+            self._experts.append(experts)
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            self.finish_reason = reason
+            self.finished = True
+        return ids
+
+    def finish(self, *, stopped: bool = False) -> EngineOutput:
+        """The whole reply, checked as a non-streamed one is; EngineError if it cannot be used.
+
+        A stream without a finish reason broke off: it is never a short completion. With
+        `stopped` (skycap cut a stop string and aborted the request), whatever finish the
+        engine sent (`abort`, or none when the stream closed) reads as `stop`; the caller
+        cuts the tokens at the stop string.
+        """
+        if not self.finished and not stopped:
+            raise EngineError(
+                f"the engine's stream ended without a finish reason after {len(self.token_ids)} "
+                f"tokens in {self.chunks} chunks; nothing was committed, retry the call"
+            )
+        choice: dict[str, Any] = {
+            "token_ids": self.token_ids,
+            "logprobs": {"content": self._logprobs},
+            "finish_reason": "stop" if stopped else self.finish_reason,
+            "sampling_mask": self._mask,
+        }
+        if len(self._experts) == 1:
+            choice["routed_experts"] = self._experts[0]
+        output = self.engine.parse({"choices": [choice]}, routes_from=self.routes_from)
+        if len(self._experts) > 1:
+            arrays = [_routed_experts(part) for part in self._experts]
+            output.routed_experts = np.concatenate([a for a, _ in arrays], axis=0)
+            if arrays[0][1] is not None:
+                output.routed_start = arrays[0][1]
+        return output

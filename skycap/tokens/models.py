@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-import orjson
+from skycap.tokens.engine import openai_model_ids
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +27,23 @@ RETRY_CAP = 10.0
 RETRY_FOR = 600.0
 
 Lister = Callable[[], Awaitable[tuple[int, bytes]]]
+#: The served names in a 200 listing's body (the engine wire's `served_names`).
+Names = Callable[[bytes], list[str]]
 
 
 class ServedModel:
-    """The engine's served model name, once known; `source` says where it came from."""
+    """The engine's served model name, once known; `source` says where it came from.
 
-    def __init__(self, name: str | None) -> None:
+    `names` reads a listing from the engine's `route` (its wire's `served_names` and
+    `models_path`).
+    """
+
+    def __init__(
+        self, name: str | None, names: Names = openai_model_ids, route: str = "/v1/models"
+    ) -> None:
         self.name = name
+        self.names = names
+        self.route = route
         self.source = "--model" if name else None
         #: Every name the engine listed, when learned (several: the first is used).
         self.listed: list[str] = []
@@ -52,7 +62,7 @@ class ServedModel:
                 if len(self.listed) > 1
                 else ""
             )
-            return f"model {self.name} (from the engine's /v1/models{also})"
+            return f"model {self.name} (from the engine's {self.route}{also})"
         why = f" ({self.problem})" if self.problem else ""
         return f"model not known yet{why}: learned from the engine on the first call"
 
@@ -85,11 +95,11 @@ class ServedModel:
             try:
                 status, body = await lister()
             except Exception as exc:  # httpx transport errors of every kind
-                self.problem = f"GET /v1/models failed: {type(exc).__name__}: {exc}"
+                self.problem = f"GET {self.route} failed: {type(exc).__name__}: {exc}"
                 return None
-            names = _model_ids(body) if status == 200 else []
+            names = self.names(body) if status == 200 else []
             if not names:
-                self.problem = f"GET /v1/models answered HTTP {status} without a model id"
+                self.problem = f"GET {self.route} answered HTTP {status} without a model id"
                 return None
             self.name, self.listed, self.source, self.problem = names[0], names, "engine", None
             if len(names) > 1:
@@ -111,15 +121,3 @@ class ServedModel:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._retry
             self._retry = None
-
-
-def _model_ids(body: bytes) -> list[str]:
-    """The `data[].id` values of an OpenAI model list, in order."""
-    try:
-        listing = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return []
-    data = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(data, list):
-        return []
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

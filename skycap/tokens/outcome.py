@@ -1,5 +1,5 @@
 """What a token-mode call answers: the Reply, and the refusals and failures that end a turn
-before its commit, written in the caller's dialect (http.md §3.2)."""
+before its commit, raised without a dialect and written in the caller's (http.md §3.2)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,18 @@ class Reply:
     call: dict[str, Any] | None = None
 
 
-class TurnFailed(Exception):
-    """A turn that ends before the commit with this reply (refusal or engine failure)."""
+class TurnError(Exception):
+    """A turn that ends before its commit (a refusal or an engine failure), said without a
+    dialect: the backend writes it as the caller's error body, in one place."""
 
-    def __init__(self, reply: Reply) -> None:
-        self.reply = reply
+    def __init__(
+        self, status: int, message: str, code: str | None = None, *, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
 
 
 def error(
@@ -46,12 +53,17 @@ def error(
     return Reply(status, {"content-type": "application/json"}, body)
 
 
-def too_long(trajectory: Trajectory, dialect: Dialect, message: str) -> TurnFailed:
+def error_reply(dialect: Dialect, failed: TurnError) -> Reply:
+    """The reply a failed turn answers, in the caller's dialect."""
+    return error(dialect, failed.status, failed.message, failed.code, param=failed.param)
+
+
+def too_long(trajectory: Trajectory, message: str) -> TurnError:
     """A `context_length_exceeded` refusal, remembered for the finish answer (http.md §2.3)."""
     trajectory.context_length_exceeded = True
-    return TurnFailed(error(dialect, 400, message, CONTEXT_LENGTH_EXCEEDED))
+    return TurnError(400, message, CONTEXT_LENGTH_EXCEEDED)
 
 
-def closed(trajectory: Trajectory, dialect: Dialect) -> Reply:
+def closed(trajectory: Trajectory) -> TurnError:
     """The 410 a call on a trajectory that is no longer open gets."""
-    return error(dialect, 410, f"trajectory is {trajectory.status}", "trajectory_closed")
+    return TurnError(410, f"trajectory is {trajectory.status}", "trajectory_closed")

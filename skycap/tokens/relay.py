@@ -11,19 +11,19 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from skycap.dialects import Dialect, ReplyData, Request, StreamWriter
 from skycap.dialects.writers import stream_writer
-from skycap.tokens.client import EngineClient
 from skycap.tokens.deltas import CONTENT, REASONING, DeltaSplitter, Markup
 from skycap.tokens.plan import Plan
 from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer
-from skycap.tokens.renderer_pool import RendererPool
 from skycap.tokens.reply import reply_message
+from skycap.tokens.sampling import stop_strings
+from skycap.tokens.settings import TokenSettings
 from skycap.tokens.streaming import ReplyStream, StreamedCompletion, stream_completion
 
 logger = logging.getLogger(__name__)
@@ -73,27 +73,23 @@ class Relay:
 
     async def generate(
         self,
-        client: EngineClient,
-        pool: RendererPool,
-        *,
+        settings: TokenSettings,
         session_id: str,
         engine_request: dict[str, Any],
         plan: Plan,
         tools: list[Any] | None,
         dialect: Dialect,
-        stops: Sequence[str],
-        min_tokens: int,
-        raw: bool,
-        skip_special_tokens: bool,
-        think_end: int | None,
-        stop_token_ids: Sequence[int],
+        sampling: Mapping[str, Any],
     ) -> StreamedCompletion | None:
         """Stream the completion through this relay; None when the engine's wire or the
         renderer cannot stream. Raises EngineRefused, EngineError or RenderError."""
-        body = client.engine.stream_request(engine_request, f"skycap-{secrets.token_hex(8)}")
+        pool = settings.pool
+        body = settings.engine.stream_request(engine_request, f"skycap-{secrets.token_hex(8)}")
         primary = pool.primary
         if body is None or not hasattr(primary, "stream_decoder"):
             return None
+        raw = settings.options.use_raw_content
+        stops = stop_strings(sampling)
         thinking = await pool.run(lambda r: prompt_opens_thinking(r, plan.prompt_ids))
         splitter = self.splitter_for(primary, raw, thinking, stops)
 
@@ -104,20 +100,14 @@ class Relay:
             return reasoning_message(dialect, parsed, through)
 
         return await stream_completion(
-            client,
-            pool,
-            session_id=session_id,
-            body=body,
-            routes_from=plan.routes_from,
-            prompt_ids=plan.prompt_ids,
-            stops=stops,
-            min_tokens=min_tokens,
-            skip_special_tokens=skip_special_tokens,
+            settings,
+            session_id,
+            body,
+            plan,
+            sampling,
             splitter=splitter,
             writer=self.writer_or_fail(),
             reply=self.stream,
-            think_end=None if raw else think_end,
-            stop_token_ids=stop_token_ids,
             on_reasoning_close=reasoning_closed,
         )
 

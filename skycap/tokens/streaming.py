@@ -3,33 +3,33 @@
 `ReplyStream` is the harness's side: the bytes of the reply, queued as they are written,
 read by the server with a keep-alive after every silence of `keepalive` seconds.
 `stream_completion` is the engine's side: it posts the streamed generate request, reads
-the chunks (skycap.tokens.engine_stream) a socket read at a time, decodes the tokens they
-carry and sends the reasoning and content deltas the splitter frees (skycap.tokens.deltas)
-through the dialect's writer, one write per read: when the engine is ahead of skycap,
-whatever arrived since the last read goes out at once, one delta per part, so the cost
-per token falls as the load rises. Nothing ready is held back for it. A stop string is
-cut where it completes and the engine request is aborted. Parsing the whole completion,
-the commit and the end of the stream stay with the backend, so a streamed and a buffered
-reply go through one path.
+the chunks with the engine wire's stream reader a socket read at a time, decodes the
+tokens they carry and sends the reasoning and content deltas the splitter frees
+(skycap.tokens.deltas) through the dialect's writer, one write per read: when the engine
+is ahead of skycap, whatever arrived since the last read goes out at once, one delta per
+part, so the cost per token falls as the load rises. Nothing ready is held back for it.
+A stop string is cut where it completes and the engine request is aborted. Parsing the
+whole completion, the commit and the end of the stream stay with the turn, so a streamed
+and a buffered reply go through one path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from skycap.dialects import StreamWriter
-from skycap.tokens.client import EngineClient
 from skycap.tokens.deltas import REASONING, DeltaSplitter
 from skycap.tokens.engine import EngineOutput
-from skycap.tokens.engine_stream import EngineStream
+from skycap.tokens.plan import Plan
 from skycap.tokens.renderer import RAW_CONTENT_CONTEXT
-from skycap.tokens.renderer_pool import RendererPool
+from skycap.tokens.sampling import stop_strings
+from skycap.tokens.settings import TokenSettings
 from skycap.tokens.stops import StopMatch, cut_completion, find_stop
 
 log = logging.getLogger(__name__)
@@ -119,30 +119,33 @@ ReasoningClose = Callable[[list[int]], Awaitable[dict[str, Any] | None]]
 
 
 async def stream_completion(
-    client: EngineClient,
-    pool: RendererPool,
-    *,
+    settings: TokenSettings,
     session_id: str,
     body: dict[str, Any],
-    routes_from: int,
-    prompt_ids: Sequence[int],
-    stops: Sequence[str],
-    min_tokens: int,
-    skip_special_tokens: bool,
+    plan: Plan,
+    sampling: Mapping[str, Any],
+    *,
     splitter: DeltaSplitter,
     writer: StreamWriter,
     reply: ReplyStream,
-    think_end: int | None,
-    stop_token_ids: Sequence[int],
     on_reasoning_close: ReasoningClose,
 ) -> StreamedCompletion:
-    """Generate with the engine's stream, relaying deltas; raises EngineError or EngineRefused."""
-    engine = client.engine
-    stream = EngineStream(engine, routes_from)
+    """Generate with the engine's stream, relaying deltas; raises EngineError or EngineRefused.
+
+    `body` is the wire's streamed request; `sampling` the turn's, whose stop strings are cut
+    here. With `--use-raw-content` the thinking is content, so its end is not looked for.
+    """
+    client, pool = settings.client, settings.pool
+    prompt_ids = plan.prompt_ids
+    stops = stop_strings(sampling)
+    min_tokens = sampling.get("min_tokens") or 0
+    skip_special_tokens = settings.skip_special_tokens
+    think_end = None if settings.options.use_raw_content else settings.think_end
+    stream = settings.engine.stream_reader(plan.routes_from)
     context = list(prompt_ids[-RAW_CONTENT_CONTEXT:])
     decode = await pool.run(lambda r: r.stream_decoder(context))
     longest = max((len(s) for s in stops), default=0)
-    ending = frozenset(stop_token_ids)  # the token that ends generation is not text
+    ending = frozenset(settings.stop_token_ids)  # the token that ends generation is not text
     stop: StopMatch | None = None
     issued: dict[str, Any] | None = None
     async with client.stream(session_id, orjson.dumps(body)) as (status, batches):
