@@ -47,6 +47,20 @@ def node_specs(document: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [as_dict(as_dict(n).get("tokens")) for n in as_list(document.get("nodes"))]
 
 
+def rows_outside(
+    document: Mapping[str, Any], offset_key: str, count_key: str, total: int, what: str
+) -> list[str]:
+    """Each node whose rows `[offset, offset + count)` do not fit a sidecar of `total` rows."""
+    problems = []
+    for i, tokens in enumerate(node_specs(document)):
+        start, count = tokens.get(offset_key), tokens.get(count_key)
+        if is_int(start) and is_int(count) and not 0 <= start <= start + count <= total:
+            problems.append(
+                f"node {i} {what} [{start}, {start + count}) outside the {total}-row sidecar"
+            )
+    return problems
+
+
 def array_shape0(entry: Any, name: str) -> int | None:
     """The first dimension a manifest entry lists for array `name`, or None."""
     shape = as_dict(as_dict(as_dict(entry).get("arrays")).get(name)).get("shape")

@@ -26,6 +26,7 @@ from skycap.record.sidecar_kind import (
     array_shape0,
     is_int,
     node_specs,
+    rows_outside,
     show,
 )
 from skycap.record.tokens_kind import TokensKind
@@ -136,15 +137,7 @@ class RowsKind(SidecarKind):
             return []
         if rows.ndim != 1 + len(self.item_names):
             return [f"{self.array} has shape {list(rows.shape)}; expected {self.expected('rows')}"]
-        problems = []
-        for i, tokens in enumerate(node_specs(document)):
-            start, count = tokens.get(self.offset_key), tokens.get(self.rows_key)
-            if is_int(start) and is_int(count) and not 0 <= start <= start + count <= rows.shape[0]:
-                problems.append(
-                    f"node {i} {self.name} [{start}, {start + count}) outside the "
-                    f"{rows.shape[0]}-row sidecar"
-                )
-        return problems
+        return rows_outside(document, self.offset_key, self.rows_key, rows.shape[0], self.name)
 
     def sample(
         self,
@@ -268,15 +261,8 @@ class MaskKind(SidecarKind):
             return [f"sampling_mask offsets has shape {list(offsets.shape)}"]
         if offsets[0] != 0 or offsets[-1] > ids.shape[0] or np.any(np.diff(offsets) < 0):
             return [f"sampling_mask offsets are not CSR bounds over its {ids.shape[0]} ids"]
-        problems = []
-        for i, tokens in enumerate(node_specs(document)):
-            start, rows = tokens.get("mask_offset"), tokens.get("mask_rows")
-            if is_int(start) and is_int(rows) and not 0 <= start <= start + rows < offsets.shape[0]:
-                problems.append(
-                    f"node {i} mask rows [{start}, {start + rows}) outside the "
-                    f"{offsets.shape[0] - 1}-row sidecar"
-                )
-        return problems
+        total = offsets.shape[0] - 1
+        return rows_outside(document, "mask_offset", "mask_rows", total, "mask rows")
 
     def sample(
         self,
