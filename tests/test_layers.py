@@ -13,7 +13,7 @@ PACKAGE = ROOT / "skycap"
 
 # docs/architecture.md: each module may import only from its own layer or below.
 LAYERS = [
-    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.dialects"),
+    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.weights", "skycap.dialects"),
     ("skycap.graph",),
     ("skycap.trajectory", "skycap.calls"),
     ("skycap.record", "skycap.text", "skycap.tokens"),
@@ -76,7 +76,7 @@ INNER_LAYERS = [
         ("skycap.record.journal",),
     ],
     [
-        ("skycap.mock.vllm_rules", "skycap.mock.engine_wire"),
+        ("skycap.mock.vllm_rules", "skycap.mock.engine_wire", "skycap.mock.weight_clock"),
         ("skycap.mock.engine_http",),
         ("skycap.mock.engine",),
     ],

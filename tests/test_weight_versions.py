@@ -1,0 +1,204 @@
+"""Which policy sampled each token: the scripted engine switches weight version inside a
+completion (through vLLM's RL routes and mid-stream), and the record, the finish's samples,
+every compose mode and the crash journal put exactly those tokens under each version."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_fixtures import Control, ServerThread
+
+from skycap.client import FinishResult
+from skycap.compose import compose
+from skycap.mock.engine import ScriptedEngine
+from skycap.record.journal import read_journal
+from skycap.rollout import Rollout, RolloutResult
+from skycap.server.options import ServerOptions
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+]
+SWITCH_AT = 5
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_tokenizer: Any) -> Iterator[ScriptedEngine]:
+    with ScriptedEngine(qwen3_tokenizer, experts=None) as scripted:
+        yield scripted
+
+
+@pytest.fixture(scope="module")
+def server(
+    engine: ScriptedEngine, qwen3_renderer: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerThread]:
+    records = tmp_path_factory.mktemp("weight-records")
+    options = ServerOptions(engine.url, mode="tokens", renderer=qwen3_renderer, record_dir=records)
+    with ServerThread(options) as running:
+        yield running
+
+
+def rl(engine: ScriptedEngine, method: str, route: str, **body: Any) -> dict[str, Any]:
+    """One of vLLM's RL routes on the engine, over HTTP as a trainer calls it."""
+    reply = httpx.request(method, engine.url + route, json=body or None)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def episode(server: ServerThread, engine: ScriptedEngine, *, stream: bool) -> tuple[str, Any]:
+    """Three calls: version "3"; "3" then "4" from output token 5 of call 2; then "4"."""
+    assert rl(engine, "POST", "/update_weight_version", new_version="3")["new_version"] == "3"
+    control = Control(server.url)
+    created = control.create()
+    client = openai.OpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "find x"}]
+    for call in range(3):
+        if call == 1:
+            engine.weights.switch_at(SWITCH_AT, "4")
+        if stream:
+            chunks = list(
+                client.chat.completions.create(
+                    model="p", messages=messages, tools=TOOLS, stream=True
+                )
+            )
+            calls = [
+                {"id": d.id, "type": "function", "function": d.function.model_dump()}
+                for c in chunks
+                for d in (c.choices[0].delta.tool_calls or () if c.choices else ())
+                if d.id
+            ]
+            message = {"role": "assistant", "content": None, "tool_calls": calls or None}
+            message = {k: v for k, v in message.items() if v is not None}
+        else:
+            reply = client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+        messages.append(message)
+        for tool_call in message.get("tool_calls") or ():
+            messages.append({"role": "tool", "tool_call_id": tool_call["id"], "content": "42"})
+    assert rl(engine, "GET", "/weight_info") == {"weight_version": "4"}
+    return created["id"], control
+
+
+def model_calls(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node["calls"][0] for node in document["nodes"] if node["author"] == "model"]
+
+
+def expected_spans(document: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    counts = [c["usage"]["completion_tokens"] for c in model_calls(document)]
+    return [
+        [{"version": "3", "start": 0, "end": counts[0]}],
+        [
+            {"version": "3", "start": 0, "end": SWITCH_AT},
+            {"version": "4", "start": SWITCH_AT, "end": counts[1]},
+        ],
+        [{"version": "4", "start": 0, "end": counts[2]}],
+    ]
+
+
+def versions_by_position(row: Any, length: int) -> list[str | None]:
+    out: list[str | None] = [None] * length
+    for span in row.weight_versions or ():
+        out[span["start"] : span["end"]] = [span["version"]] * (span["end"] - span["start"])
+    return out
+
+
+def test_versions_reach_the_record_samples_rows_and_journal(
+    server: ServerThread, engine: ScriptedEngine
+) -> None:
+    trajectory_id, control = episode(server, engine, stream=False)
+    with control:
+        document = control.document(trajectory_id).json()
+        assert [c["weight_versions"] for c in model_calls(document)] == expected_spans(document)
+        journaled = read_journal(server.options.record_dir, trajectory_id)
+        assert [
+            n.calls[0]["weight_versions"] for n in journaled.graph if n.is_model
+        ] == expected_spans(document)
+        finished = control.finish(trajectory_id, reward=1.0).json()
+    (sample,) = finished["samples"]
+    # The sample's spans are each call's, moved to where its sampled tokens sit.
+    starts = [
+        i
+        for i in range(1, len(sample["loss_mask"]))
+        if sample["loss_mask"][i] and not sample["loss_mask"][i - 1]
+    ]
+    assert sample["weight_versions"] == [
+        {"version": s["version"], "start": s["start"] + at, "end": s["end"] + at}
+        for at, spans in zip(starts, expected_spans(document), strict=True)
+        for s in spans
+    ]
+    trained = np.flatnonzero(sample["loss_mask"])
+    covered = [p for s in sample["weight_versions"] for p in range(s["start"], s["end"])]
+    assert covered == trained.tolist()  # every trained token, and nothing else
+
+    result = RolloutResult(0, 0, Rollout(1.0), FinishResult.from_json(finished), 1, "q")
+    path_row = compose([result], "path").rows[0]
+    assert path_row.weight_versions == sample["weight_versions"]
+    (final_row,) = compose([result], "final").rows
+    assert final_row.weight_versions == sample["weight_versions"]
+    step_rows = compose([result], "step").rows
+    for row, spans, at in zip(step_rows, expected_spans(document), starts, strict=True):
+        assert row.weight_versions == [
+            {**s, "start": s["start"] + at, "end": s["end"] + at} for s in spans
+        ]
+    labels = versions_by_position(path_row, len(path_row))
+    assert labels[starts[1] + SWITCH_AT - 1] == "3" and labels[starts[1] + SWITCH_AT] == "4"
+    batch = compose([result], "path")
+    assert batch.metrics["policy_versions"] == 2
+    assert batch.metrics["oldest_policy_version"] == 3
+    assert batch.metrics["newest_policy_version"] == 4
+
+
+def test_a_streamed_episode_gives_the_same_spans(
+    server: ServerThread, engine: ScriptedEngine
+) -> None:
+    trajectory_id, control = episode(server, engine, stream=True)
+    with control:
+        document = control.document(trajectory_id).json()
+    assert [c["weight_versions"] for c in model_calls(document)] == expected_spans(document)
+
+
+def test_a_version_set_while_a_stream_is_held_labels_the_rest_of_it(
+    server: ServerThread, engine: ScriptedEngine
+) -> None:
+    rl(engine, "POST", "/update_weight_version", new_version="7")
+    with Control(server.url) as control:
+        created = control.create()
+        client = openai.OpenAI(
+            base_url=created["base_url"], api_key=created["api_key"], max_retries=0
+        )
+        engine.hold_stream(before_chunk=2)  # two tokens per chunk: 4 tokens sent under "7"
+        stream = client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        first = next(iter(stream))
+        assert first is not None
+        assert rl(engine, "POST", "/finish_weight_update", weight_version="8")
+        engine.resume_stream()
+        list(stream)
+        document = control.document(created["id"]).json()
+    (call,) = model_calls(document)
+    n = call["usage"]["completion_tokens"]
+    assert call["weight_versions"] == [
+        {"version": "7", "start": 0, "end": 2 * engine.stream_chunk},
+        {"version": "8", "start": 2 * engine.stream_chunk, "end": n},
+    ]
+
+
+def test_the_engine_reports_its_release_and_a_bad_version_update_is_refused(
+    engine: ScriptedEngine, tmp_path: Path
+) -> None:
+    assert rl(engine, "GET", "/version") == {"version": "0.33.0"}
+    refused = httpx.post(engine.url + "/update_weight_version", json={"new_version": 3})
+    assert refused.status_code == 422
