@@ -15,7 +15,7 @@ import pytest
 from server_fixtures import Control, ServerThread
 
 from skycap.client import FinishResult
-from skycap.compose import compose
+from skycap.compose import Policy, compose
 from skycap.mock.engine import ScriptedEngine
 from skycap.record.journal import read_journal
 from skycap.rollout import Rollout, RolloutResult
@@ -202,3 +202,128 @@ def test_the_engine_reports_its_release_and_a_bad_version_update_is_refused(
     assert rl(engine, "GET", "/version") == {"version": "0.33.0"}
     refused = httpx.post(engine.url + "/update_weight_version", json={"new_version": 3})
     assert refused.status_code == 422
+
+
+# -- the staleness policy, on rows whose spans are known -----------------------------------
+
+
+def rollout(i: int, spans: list[tuple[str, int, int]]) -> RolloutResult:
+    """A finished rollout whose one sample trains positions 2..9 under these spans."""
+    mask = [0, 0] + [1] * 8
+    sample = {
+        "leaf": 1,
+        "path": [0, 1],
+        "messages": [],
+        "targets": [1],
+        "input_ids": list(range(10)),
+        "loss_mask": mask,
+        "logprobs": [0.0] * 10,
+        "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
+        "media": [],
+    }
+    finish = FinishResult.from_json({"id": f"tr_{i}", "status": "finished", "samples": [sample]})
+    return RolloutResult(i, 0, Rollout(1.0), finish, 1, f"q{i}")
+
+
+BATCH = [
+    [("1", 2, 10)],
+    [("2", 2, 6), ("3", 6, 10)],
+    [("3", 2, 10)],
+    [("3", 2, 4), ("4", 4, 10)],
+    [("4", 2, 10)],
+]
+
+
+def test_rollouts_with_a_token_older_than_the_lag_are_masked_and_counted() -> None:
+    results = [rollout(i, spans) for i, spans in enumerate(BATCH)]
+    batch = compose(results, policy=Policy(max_policy_lag=1, current_version="4"))
+    assert [row.masked for row in batch.rows] == ["stale", "stale", None, None, None]
+    assert [row.trained_tokens for row in batch.rows] == [0, 0, 8, 8, 8]
+    assert batch.metrics["stale_rollouts"] == 2
+    assert batch.metrics["masked/stale"] == 2
+    assert batch.metrics["policy_versions"] == 4
+    assert (batch.metrics["oldest_policy_version"], batch.metrics["newest_policy_version"]) == (
+        1,
+        4,
+    )
+    assert set(batch.trajectory_rewards) == {"q2", "q3", "q4"}
+
+    dropped = compose(results, policy=Policy(max_policy_lag=1, current_version="4", stale="drop"))
+    assert [row.trajectory_id for row in dropped.rows] == ["tr_2", "tr_3", "tr_4"]
+    assert dropped.metrics["stale_rollouts"] == 2 and dropped.metrics["dropped_rows"] == 2
+    kept = compose(results, policy=Policy(max_policy_lag=1, current_version="4", stale="train"))
+    assert [row.masked for row in kept.rows] == [None] * 5
+    assert kept.metrics["stale_rollouts"] == 2
+    # Without a current version the newest in the batch ("4") is the reference.
+    assert compose(results, policy=Policy(max_policy_lag=2)).metrics["stale_rollouts"] == 1
+
+
+def test_lags_line_up_with_the_spans_for_importance_weights() -> None:
+    row = compose([rollout(0, BATCH[3])]).rows[0]
+    assert row.version_lags("4").tolist() == [-1, -1, 1, 1, 0, 0, 0, 0, 0, 0]
+    step = {"v3": 3, "v4": 4}
+    named = rollout(0, [("v3", 2, 4), ("v4", 4, 10)])
+    policy = Policy(max_policy_lag=0, current_version="v4", version_key=step.__getitem__)
+    policy_rows = compose([named], policy=policy).rows
+    assert policy_rows[0].masked == "stale"
+    assert policy_rows[0].version_lags("v4", step.__getitem__)[2:5].tolist() == [1, 1, 0]
+
+
+def test_labels_the_key_cannot_read_and_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="'v3' cannot be ordered with version_key"):
+        compose([rollout(0, [("v3", 2, 10)])], policy=Policy(max_policy_lag=1))
+    with pytest.raises(ValueError, match="Policy.stale must be one of"):
+        Policy(stale="skip")
+    with pytest.raises(ValueError, match="max_policy_lag must be None or an integer"):
+        Policy(max_policy_lag=-1)
+
+
+# -- the engine wire ------------------------------------------------------------------------
+
+
+def choice(spans: Any, n: int = 4) -> dict[str, Any]:
+    entries = [{"token_id": 7, "logprob": -0.5, "rank": 1} for _ in range(n)]
+    return {
+        "token_ids": [7] * n,
+        "logprobs": {"content": entries},
+        "finish_reason": "stop",
+        "weight_versions": spans,
+    }
+
+
+@pytest.mark.parametrize(
+    ("spans", "problem"),
+    [
+        ([{"version": "1", "start": 0, "end": 3}], "cover 3 tokens of a 4-token completion"),
+        ([{"version": "1", "start": 1, "end": 4}], "starts at 1, expected 0"),
+        ([{"version": 1, "start": 0, "end": 4}], "version must be a string"),
+        ([{"version": "1", "start": 0, "end": 0}], "0 <= start < end"),
+        ({"version": "1"}, "must be a list of spans"),
+    ],
+)
+def test_spans_that_do_not_fit_the_completion_are_an_engine_error(spans: Any, problem: str) -> None:
+    from skycap.tokens.engine import EngineError, VLLMEngine
+
+    with pytest.raises(EngineError, match=problem):
+        VLLMEngine().parse({"choices": [choice(spans)]})
+    assert VLLMEngine().parse({"choices": [choice(None)]}).weight_versions is None
+
+
+def test_a_stream_takes_the_finishing_chunk_s_spans_and_a_stop_cut_clips_them() -> None:
+    from skycap.tokens.engine import VLLMEngine
+    from skycap.tokens.stops import cut_completion
+
+    spans = [{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 3, "end": 4}]
+    reader = VLLMEngine().stream_reader(0)
+    first = choice(None, 2) | {"finish_reason": None}
+    reader.feed({"choices": [first]})
+    reader.feed({"choices": [choice(spans, 2)]})
+    output = reader.finish()
+    assert output.weight_versions == spans
+    cut_completion(output, 3, 10)
+    assert output.weight_versions == [{"version": "1", "start": 0, "end": 3}]
+    # Aborted after a stop string: spans past the delivered tokens are clipped to them.
+    stopped = VLLMEngine().stream_reader(0)
+    stopped.feed({"choices": [first]})
+    stopped.feed({"choices": [{**choice(spans, 0), "finish_reason": "abort"}]})
+    assert stopped.finish(stopped=True).weight_versions == [{"version": "1", "start": 0, "end": 2}]
