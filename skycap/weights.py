@@ -90,3 +90,34 @@ def join_spans(spans: Sequence[Span]) -> list[Span]:
 def versions_of(spans: Sequence[Span] | None) -> list[str]:
     """The distinct versions in order of first appearance."""
     return list(dict.fromkeys(span["version"] for span in spans or ()))
+
+
+#: Where an OpenAI-compatible server's reply or stream event carries the spans: on the
+#: first choice (vLLM's Chat Completions and Completions, chat_completion/protocol.py,
+#: only with `return_weight_versions: true`; set on the finishing chunk when streamed), or
+#: on the reply object itself, also when a Responses event wraps it in `response` or a
+#: Messages event in `message` or `delta`.
+_HOLDERS = ("response", "message", "delta")
+
+
+def reported_spans(obj: dict[str, Any]) -> list[Span] | None:
+    """The well-formed spans a text-mode reply body or stream event carries, else None.
+
+    The completion's length is not known in text mode, so only the shape is checked; a
+    malformed value is not recorded (it says nothing reliable).
+    """
+    value = obj.get("weight_versions")
+    if value is None:
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            value = choices[0].get("weight_versions")
+    for key in _HOLDERS:
+        if value is not None:
+            break
+        holder = obj.get(key)
+        if isinstance(holder, dict):
+            value = holder.get("weight_versions")
+    try:
+        return read_spans(value, None)
+    except SpansError:
+        return None
