@@ -89,6 +89,7 @@ INNER_LAYERS = [
     [  # token mode: the renderer protocol knows no renderer; only the backend runs a turn
         (
             "skycap.tokens.tokenizer_env",
+            "skycap.tokens.provenance",
             "skycap.tokens.renderer",
             "skycap.tokens.engine",
             "skycap.tokens.sampling",

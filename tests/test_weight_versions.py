@@ -125,6 +125,15 @@ def test_versions_reach_the_record_samples_rows_and_journal(
         assert [
             n.calls[0]["weight_versions"] for n in journaled.graph if n.is_model
         ] == expected_spans(document)
+        provenance = document["provenance"]
+        assert journaled.provenance == provenance
+        assert provenance["engine"] == {"model": "scripted-policy", "version": "0.33.0"}
+        assert provenance["renderer"] == "qwen3" and provenance["skycap"]
+        assert provenance["tokenizer"]["digest"].startswith("sha256:")
+        assert provenance["chat_template_digest"].startswith("sha256:")
+        sent = [r.body["sampling_params"] for r in engine.generated[-3:]]
+        for call, params in zip(model_calls(document), sent, strict=True):
+            assert params == {**call["sampling"], "logprobs": 0, "stop_token_ids": [151645, 151643]}
         finished = control.finish(trajectory_id, reward=1.0).json()
     (sample,) = finished["samples"]
     # The sample's spans are each call's, moved to where its sampled tokens sit.

@@ -35,6 +35,7 @@ from skycap.server.retry import CallKey, Entry, Replay
 from skycap.server.store import TrajectoryStore
 from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
+from skycap.tokens.provenance import package_version
 from skycap.weights import Span, reported_spans
 
 logger = logging.getLogger("skycap.server")
@@ -132,6 +133,10 @@ class TextMode:
         if flow.response is None and flow.error and not flow.error.msg.startswith("Client"):
             message = f"upstream unavailable: {flow.error.msg}"
             self.conns.respond(flow, 502, dialect.error(502, message))
+
+    def provenance(self) -> dict[str, Any]:
+        """Text mode renders nothing itself: skycap's version is all it can vouch for."""
+        return {"skycap": package_version("skycap")}
 
     def attach(self, store: TrajectoryStore) -> None:
         self.store = store

@@ -204,6 +204,9 @@ class VLLMEngine:
     generate_path: str = "/inference/v1/generate"
     models_path: str = "/v1/models"
     release_path: str | None = None
+    #: Where the engine reports its release (entrypoints/serve/instrumentator/basic.py
+    #: `show_version`), for each record's provenance; None: it does not.
+    version_path: str | None = "/version"
     #: Where a streamed request is stopped early (a stop string completed): vLLM 0.33's
     #: token_in_token_out/api_router.py `abort_requests`; None: closing the stream is all.
     abort_path: str | None = "/inference/v1/abort_requests"
