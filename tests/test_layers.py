@@ -103,6 +103,7 @@ INNER_LAYERS = [
             "skycap.tokens.library",
             "skycap.tokens.library_renderer",
             "skycap.tokens.renderer_pool",
+            "skycap.tokens.reproduce",
         ),
         (
             "skycap.tokens.client",

@@ -64,8 +64,8 @@ class Policy:
       before `current_version` (None: the newest version in the batch) is masked
       (`"mask"`), left out with its rows (`"drop"`) or trained anyway (`"train"`); each is
       counted in `stale_rollouts`. `version_key` turns a version label into something that
-      orders and subtracts (default `int`, for labels such as "3"); docs/trainer.md
-      "Policy versions".
+      orders and subtracts (default `int`, for labels such as "3"); see
+      docs/trainer.md "Policy versions".
     """
 
     max_seq_len: int | None = None
