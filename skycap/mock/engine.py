@@ -14,10 +14,19 @@ strings on a `--tokens-only` server, and, when started "with --return-sampling-m
 (`sampling_mask=True`), requests without temperature > 0 and top_k > 0. 0.26 has no
 cache-salt rule and no sampling masks.
 
+Like 0.33 it reports which weight version sampled which output tokens (`weight_versions`
+on each choice, on the finishing chunk when streamed) and serves the RL routes that set
+the version (`POST /update_weight_version`, `POST /finish_weight_update`,
+`GET /weight_info`) and `GET /version` (skycap.mock.weight_clock names the vLLM source of
+each rule). `engine.weights.switch_at(5, "4")` switches the next completion to version
+"4" from its output token 5, streamed or not; a version set through the routes while a
+stream is held (`hold_stream`) labels the rest of that stream.
+
     engine = ScriptedEngine(tokenizer)
     url = engine.start()
     engine.queue("<think>\\nok\\n</think>\\n\\nHello.")
     engine.fail_next("http_500")
+    engine.weights.switch_at(5, "4")
     ...
     engine.stop()
 """
