@@ -67,4 +67,5 @@ def test_spans_on_an_answer_are_recorded_on_the_call(dialect: str) -> None:
                 document = control.document(created["id"]).json()
                 (node,) = [n for n in document["nodes"] if n["author"] == "model"]
                 recorded.append(node["calls"][0].get("weight_versions"))
+                assert set(document["provenance"]) == {"skycap"}
     assert recorded == [SPANS, None, SPANS, None]
