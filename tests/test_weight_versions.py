@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from rollout_agents import TOOLS
 from server_fixtures import Control, ServerThread
 
 from skycap.client import FinishResult
@@ -21,16 +22,6 @@ from skycap.record.journal import read_journal
 from skycap.rollout import Rollout, RolloutResult
 from skycap.server.options import ServerOptions
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search.",
-            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
-        },
-    }
-]
 SWITCH_AT = 5
 
 
@@ -114,13 +105,21 @@ def versions_by_position(row: Any, length: int) -> list[str | None]:
     return out
 
 
+def recorded(
+    server: ServerThread, engine: ScriptedEngine, *, stream: bool
+) -> tuple[str, Control, dict[str, Any]]:
+    """An episode, its control client and its document, whose calls hold the spans."""
+    trajectory_id, control = episode(server, engine, stream=stream)
+    document = control.document(trajectory_id).json()
+    assert [c["weight_versions"] for c in model_calls(document)] == expected_spans(document)
+    return trajectory_id, control, document
+
+
 def test_versions_reach_the_record_samples_rows_and_journal(
     server: ServerThread, engine: ScriptedEngine
 ) -> None:
-    trajectory_id, control = episode(server, engine, stream=False)
+    trajectory_id, control, document = recorded(server, engine, stream=False)
     with control:
-        document = control.document(trajectory_id).json()
-        assert [c["weight_versions"] for c in model_calls(document)] == expected_spans(document)
         journaled = read_journal(server.options.record_dir, trajectory_id)
         assert [
             n.calls[0]["weight_versions"] for n in journaled.graph if n.is_model
@@ -172,10 +171,8 @@ def test_versions_reach_the_record_samples_rows_and_journal(
 def test_a_streamed_episode_gives_the_same_spans(
     server: ServerThread, engine: ScriptedEngine
 ) -> None:
-    trajectory_id, control = episode(server, engine, stream=True)
-    with control:
-        document = control.document(trajectory_id).json()
-    assert [c["weight_versions"] for c in model_calls(document)] == expected_spans(document)
+    _, control, _ = recorded(server, engine, stream=True)
+    control.close()
 
 
 def test_a_version_set_while_a_stream_is_held_labels_the_rest_of_it(
