@@ -35,7 +35,7 @@ from skycap.server.retry import CallKey, Entry, Replay
 from skycap.server.store import TrajectoryStore
 from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
-from skycap.tokens.provenance import package_version
+from skycap.tokens.provenance import versions
 from skycap.weights import Span, reported_spans
 
 logger = logging.getLogger("skycap.server")
@@ -136,7 +136,7 @@ class TextMode:
 
     def provenance(self) -> dict[str, Any]:
         """Text mode renders nothing itself: skycap's version is all it can vouch for."""
-        return {"skycap": package_version("skycap")}
+        return {"skycap": versions()["skycap"]}
 
     def attach(self, store: TrajectoryStore) -> None:
         self.store = store

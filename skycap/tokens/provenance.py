@@ -8,6 +8,7 @@ wrong training data; the digests let `skycap check --reproduce` say so before re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from importlib import metadata
 from pathlib import Path
@@ -34,9 +35,15 @@ def package_version(name: str) -> str | None:
         return None
 
 
+@functools.cache
+def _versions() -> tuple[tuple[str, str | None], ...]:
+    return tuple((name, package_version(name)) for name in ("skycap", "renderers", "transformers"))
+
+
 def versions() -> dict[str, str | None]:
-    """The versions of skycap and of the libraries that render its prompts."""
-    return {name: package_version(name) for name in ("skycap", "renderers", "transformers")}
+    """The versions of skycap and of the libraries that render its prompts (looked up once:
+    a trajectory is created on the event loop)."""
+    return dict(_versions())
 
 
 def tokenizer_digest(name: str, tokenizer: Any) -> str:
@@ -80,11 +87,11 @@ def renderer_provenance(renderer: Any) -> dict[str, Any]:
 
 
 def token_provenance(
-    renderer: Any, model: str | None, engine_version: str | None
+    rendered_by: dict[str, Any], model: str | None, engine_version: str | None
 ) -> dict[str, Any]:
-    """A token-mode record's provenance (format.md §4)."""
+    """A token-mode record's provenance (format.md §4) from the renderer's part."""
     return {
         **versions(),
-        **renderer_provenance(renderer),
+        **rendered_by,
         "engine": {"model": model, "version": engine_version},
     }
