@@ -333,3 +333,23 @@ def test_a_stream_takes_the_finishing_chunk_s_spans_and_a_stop_cut_clips_them() 
     stopped.feed({"choices": [first]})
     stopped.feed({"choices": [{**choice(spans, 0), "finish_reason": "abort"}]})
     assert stopped.finish(stopped=True).weight_versions == [{"version": "1", "start": 0, "end": 2}]
+
+
+# -- check --reproduce: its arguments and exit codes ---------------------------------------
+
+
+def test_reproduce_needs_a_tokenizer_and_says_when_it_cannot_load_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_viewer_fixtures import Build, tid
+
+    from skycap.cli.main import main
+
+    build = Build(tid(7))
+    build.model(build.client(None, "hi"), "hello")
+    build.write(tmp_path)
+    assert main(["check", "--reproduce", str(tmp_path)]) == 2
+    assert "--reproduce and --tokenizer NAME go together" in capsys.readouterr().err
+    missing = str(tmp_path / "no-such-tokenizer")
+    assert main(["check", "--reproduce", str(tmp_path), "--tokenizer", missing]) == 2
+    assert "cannot load tokenizer" in capsys.readouterr().err
