@@ -278,6 +278,9 @@ def test_lags_line_up_with_the_spans_for_importance_weights() -> None:
 def test_labels_the_key_cannot_read_and_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="'v3' cannot be ordered with version_key"):
         compose([rollout(0, [("v3", 2, 10)])], policy=Policy(max_policy_lag=1))
+    # vLLM's own label before any update orders with nothing, which is fine without a lag.
+    plain = compose([rollout(0, [("default", 2, 10)])]).metrics
+    assert plain["policy_versions"] == 1 and "oldest_policy_version" not in plain
     with pytest.raises(ValueError, match="Policy.stale must be one of"):
         Policy(stale="skip")
     with pytest.raises(ValueError, match="max_policy_lag must be None or an integer"):
