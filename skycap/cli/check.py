@@ -43,12 +43,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--reproduce",
         action="store_true",
         help="re-render each token-mode call with --tokenizer and report the calls whose "
-        "prompt tokens differ from the recorded ones (exit 1 when any differ)",
+        "prompt tokens differ from the recorded ones (exit 1 when any differ; default: "
+        "report forks instead)",
     )
     parser.add_argument(
         "--tokenizer",
         metavar="NAME",
-        help="with --reproduce: the tokenizer (hub name or folder) to re-render with",
+        help="with --reproduce: the tokenizer (hub name or folder) to re-render with "
+        "(no default: --reproduce needs it)",
     )
     parser.add_argument(
         "--renderer",
