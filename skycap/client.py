@@ -123,6 +123,10 @@ class Sample:
     routed_experts: np.ndarray | None = None
     sampling_mask: list[list[int]] | None = None
     media: list[Media] = field(default_factory=list)
+    #: `[{"version", "start", "end"}]` over this sample's positions: which weight version
+    #: sampled each trained token (only trained positions are covered); None when the
+    #: engine reported none (docs/trainer.md "Policy versions").
+    weight_versions: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Sample:
@@ -144,6 +148,7 @@ class Sample:
             routed_experts=None if experts is None else unpack(experts),
             sampling_mask=None if mask is None else _csr_rows(mask, input_ids),
             media=[Media.from_json(m) for m in _field(obj, "media", list, optional=True) or []],
+            weight_versions=_field(obj, "weight_versions", list, optional=True),
         )
 
 

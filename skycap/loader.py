@@ -48,6 +48,7 @@ def to_client_sample(sample: BuiltSample) -> Sample:
         routed_experts=sample.routed_experts,
         sampling_mask=None if mask is None else csr_to_rows(*mask),
         media=[],
+        weight_versions=sample.weight_versions,
     )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from skycap.graph import Graph, Tokens
 from skycap.record.sidecars import REGISTRY
+from skycap.weights import Span, join_spans, read_spans, shift_spans
 
 ALL = "all"
 FINAL = "final"
@@ -264,6 +265,40 @@ class BuiltSample:
     sampling_mask: tuple[np.ndarray, np.ndarray] | None = None
     media: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    weight_versions: list[Span] | None = None
+
+
+def node_weight_versions(node: Any) -> list[Span] | None:
+    """The spans over a model node's completion, from the call its tokens came from (the
+    first); None when that call has none, or spans that do not fit its completion."""
+    tokens = node.tokens
+    if not node.calls or tokens is None or tokens.sampled_start is None:
+        return None
+    try:
+        return read_spans(
+            node.calls[0].get("weight_versions"), tokens.length - tokens.sampled_start
+        )
+    except ValueError:
+        return None
+
+
+def sample_weight_versions(
+    nodes: Sequence[Any], starts: Sequence[int], targets: set[int]
+) -> list[Span] | None:
+    """Spans over a sample's own positions: each trained node's completion spans, shifted to
+    where its sampled tokens sit (context positions carry none); None when no trained node
+    reported any."""
+    spans: list[Span] = []
+    reported = False
+    for node, start in zip(nodes, starts, strict=False):
+        if node.id not in targets:
+            continue
+        found = node_weight_versions(node)
+        if found is None:
+            continue
+        reported = True
+        spans += shift_spans(found, start + node.tokens.sampled_start)
+    return join_spans(spans) if reported else None
 
 
 def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> BuiltSample:
@@ -307,6 +342,7 @@ def build_sample(graph: Graph, path: Sequence[int], targets: Sequence[int]) -> B
             setattr(sample, kind.sample_key, value)
         elif value is not None:
             sample.extra[kind.sample_key] = value
+    sample.weight_versions = sample_weight_versions(nodes, starts.tolist(), target_set)
     return sample
 
 
@@ -335,5 +371,7 @@ def encode_sample(sample: BuiltSample) -> dict[str, Any]:
             out[key] = kind.encode(getattr(sample, key))
         elif key in sample.extra:
             out[key] = kind.encode(sample.extra[key])
+    if sample.weight_versions is not None:
+        out["weight_versions"] = sample.weight_versions
     out["media"] = []
     return out

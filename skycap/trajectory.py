@@ -48,9 +48,12 @@ class Trajectory:
         meta: dict[str, Any] | None = None,
         created_at: float | None = None,
         graph: Graph | None = None,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
         self.id = id
         self.capture = capture
+        #: What produced the record beyond the weights (format.md §4, "provenance").
+        self.provenance = provenance
         self.meta = meta or {}
         self.created_at = time.time() if created_at is None else created_at
         self.graph = graph or Graph()
@@ -142,5 +145,6 @@ class Trajectory:
             "failures": self.failures,
             "retries": self.retries,
             "samples": self.samples,
+            **({} if self.provenance is None else {"provenance": self.provenance}),
             "nodes": nodes,
         }

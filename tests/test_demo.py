@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -46,3 +48,45 @@ def test_demo_captures_live_rollouts(mode: str, tmp_path: Path) -> None:
     assert stats["modes"] == {mode: 5}
     if mode == "tokens":
         assert stats["tokens"] > 0 and stats["bridged"]["true"] > 0
+        reproduce_demo_records(tmp_path)
+
+
+def reproduce_demo_records(tmp_path: Path) -> None:
+    """`check --reproduce` passes on the demo's records with the bundled tokenizer, and names
+    the first call when the chat template is changed by one token."""
+    from skycap.tokens.tokenizer_env import bundled_qwen3_dir
+
+    qwen = bundled_qwen3_dir()
+    assert qwen is not None
+    records = str(tmp_path / "records")
+    code, out = reproduce_run(records, str(qwen))  # the renderer the records name: qwen3
+    assert code == 0, out
+    assert out.splitlines()[-1].startswith("5 of 5 trajectories reproduce")
+    assert reproduce_run(records, str(qwen), "default")[0] == 0  # the jinja template itself
+
+    edited = tmp_path / "edited-tokenizer"
+    edited.mkdir()
+    for file in qwen.iterdir():
+        if file.name != "tokenizer_config.json":
+            (edited / file.name).symlink_to(file)
+    config = json.loads((qwen / "tokenizer_config.json").read_text())
+    assert "one or more functions" in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(
+        "one or more functions", "one or several functions"
+    )
+    (edited / "tokenizer_config.json").write_text(json.dumps(config))
+    code, out = reproduce_run(records, str(edited), "default")
+    assert code == 1, out
+    assert "chat template digest" in out
+    assert "call at node 2: prompt differs from token" in out
+
+
+def reproduce_run(records: str, tokenizer: str, renderer: str | None = None) -> tuple[int, str]:
+    """`skycap check --reproduce` in this process (a tokenizer load, not a Python start)."""
+    from skycap.cli.main import main
+
+    extra = [] if renderer is None else ["--renderer", renderer]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["check", "--reproduce", records, "--tokenizer", tokenizer, *extra])
+    return code, out.getvalue()

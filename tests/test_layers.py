@@ -13,7 +13,7 @@ PACKAGE = ROOT / "skycap"
 
 # docs/architecture.md: each module may import only from its own layer or below.
 LAYERS = [
-    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.dialects"),
+    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.weights", "skycap.dialects"),
     ("skycap.graph",),
     ("skycap.trajectory", "skycap.calls"),
     ("skycap.record", "skycap.text", "skycap.tokens"),
@@ -76,7 +76,7 @@ INNER_LAYERS = [
         ("skycap.record.journal",),
     ],
     [
-        ("skycap.mock.vllm_rules", "skycap.mock.engine_wire"),
+        ("skycap.mock.vllm_rules", "skycap.mock.engine_wire", "skycap.mock.weight_clock"),
         ("skycap.mock.engine_http",),
         ("skycap.mock.engine",),
     ],
@@ -89,6 +89,7 @@ INNER_LAYERS = [
     [  # token mode: the renderer protocol knows no renderer; only the backend runs a turn
         (
             "skycap.tokens.tokenizer_env",
+            "skycap.tokens.provenance",
             "skycap.tokens.renderer",
             "skycap.tokens.engine",
             "skycap.tokens.sampling",
@@ -102,6 +103,7 @@ INNER_LAYERS = [
             "skycap.tokens.library",
             "skycap.tokens.library_renderer",
             "skycap.tokens.renderer_pool",
+            "skycap.tokens.reproduce",
         ),
         (
             "skycap.tokens.client",

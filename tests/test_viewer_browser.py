@@ -313,3 +313,36 @@ def test_skycap_view_of_an_s3_mirror_lists_and_opens_records(
     finally:
         viewer.terminate()
         viewer.wait(10)
+
+
+def test_provenance_and_tokens_coloured_by_weight_version(server: ViewerServer, page):
+    """A record sampled by two weight versions: its drawer names what produced it and
+    colours each sampled token by the version that sampled it."""
+    from test_viewer_fixtures import Build, tid
+
+    build = Build(tid(0xC001))
+    first = build.model(build.client(None, "Count to three."), "One two three.")
+    build.t.graph[first].calls[0]["weight_versions"] = [
+        {"version": "3", "start": 0, "end": 2},
+        {"version": "4", "start": 2, "end": build.t.graph[first].tokens.length - 3},
+    ]
+    build.t.provenance = {
+        "skycap": "9.9",
+        "tokenizer": {"name": "Qwen/Qwen3-8B", "digest": "sha256:" + "ab" * 32},
+        "chat_template_digest": "sha256:" + "cd" * 32,
+        "renderer": "qwen3",
+        "engine": {"model": "policy", "version": "0.33.0"},
+    }
+    build.write(Path(server.viewer.index.runs["mixed"].path))
+    page.goto(f"{server.url}?run=mixed&view=rollouts&open={build.t.id}")
+    note = page.wait_for_selector("#drawer:not([hidden]) .dr-provenance")
+    text = note.inner_text()
+    assert "tokenizer Qwen/Qwen3-8B (abababababab)" in text and "renderer qwen3" in text
+    assert "engine policy (vLLM 0.33.0)" in text
+    page.wait_for_selector(".tv .ln.k-sampled .t.wv")
+    assert page.locator(".tv .t.wv0").count() == 2
+    assert page.locator(".tv .t.wv1").count() == build.t.graph[first].tokens.length - 5
+    assert page.locator(".wv-legend .t").all_inner_texts() == ["3", "4"]
+    page.locator(".tv .t.wv1").first.hover()
+    assert page.wait_for_selector("#tooltip .tt-version").inner_text() == "4"
+    assert page.errors == []

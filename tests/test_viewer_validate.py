@@ -45,6 +45,8 @@ def problems_after(doc: dict[str, Any], change) -> list[str]:
 
 def test_a_record_written_by_skycap_has_no_problems(doc):
     assert document_problems(doc) == []
+    spans = [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 1, "end": 3}]
+    assert problems_after(doc, _set("nodes.1.calls.0.weight_versions", spans)) == []
 
 
 def _set(path: str, value: Any):
@@ -82,6 +84,17 @@ def _set(path: str, value: Any):
             "node 1: shadowed_by 0 is not a sibling with the same match hash",
         ),
         ("nodes.1.calls.0.tools", "abc", 'node 1: call tools "abc" not in document tools'),
+        (
+            "nodes.1.calls.0.weight_versions",
+            [{"version": "1", "start": 0, "end": 2}],
+            "node 1: call weight_versions cover 2 tokens of a 3-token completion",
+        ),
+        (
+            "nodes.1.calls.0.weight_versions",
+            [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}],
+            "node 1: call weight_versions[1] starts at 2, expected 1: spans must be "
+            "contiguous and in order",
+        ),
         ("nodes.1.tokens.offset", 3, "node 1: tokens offset 3, expected 5 (node order)"),
         ("nodes.1.tokens.text_offset", 1, "node 1: text_offset 1, expected 33 (node order)"),
         ("nodes.0.tokens.sampled_start", 0, "node 0: client node with sampled_start"),

@@ -39,6 +39,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="list only trajectories that fork or cannot be read (default: all)",
     )
+    parser.add_argument(
+        "--reproduce",
+        action="store_true",
+        help="re-render each token-mode call with --tokenizer and report the calls whose "
+        "prompt tokens differ from the recorded ones (exit 1 when any differ; default: "
+        "report forks instead)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="NAME",
+        help="with --reproduce: the tokenizer (hub name or folder) to re-render with "
+        "(no default: --reproduce needs it)",
+    )
+    parser.add_argument(
+        "--renderer",
+        metavar="NAME",
+        help="with --reproduce: the renderer name (default: the one the records name, else "
+        "the one the tokenizer calls for)",
+    )
     add_storage_options(parser)
     parser.set_defaults(check_parser=parser)
 
@@ -87,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(args, f"cannot list {args.record_dir}: {exc.strerror or exc}")
     if isinstance(ids, str):
         return _usage_error(args, ids)
+    if args.reproduce != (args.tokenizer is not None) or (args.renderer and not args.reproduce):
+        return _usage_error(args, "--reproduce and --tokenizer NAME go together (--renderer too)")
+    if args.reproduce:
+        from skycap.cli.reproduce import run_reproduce
+
+        return run_reproduce(args, directory, ids)
 
     reports: list[Linearity] = []
     unreadable: dict[str, str] = {}

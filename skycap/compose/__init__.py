@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from skycap.compose.batch import Batch
@@ -25,6 +26,7 @@ from skycap.compose.rows import (
     read_record,
     sample_rows,
 )
+from skycap.compose.staleness import staleness, version_metrics
 from skycap.rollout import RolloutResult
 
 __all__ = ["MASK_REASONS", "MODES", "Batch", "Policy", "TrainingRow", "compose", "outcome_of"]
@@ -57,10 +59,20 @@ def compose(
     # Paths captured: the finish's samples (path rule `all`) are one per root-to-leaf path.
     paths = [0 if r.result is None else len(r.result.samples) for r in results]
     verdicts = decide(results, paths, policy)
+    versions = staleness(per_result, policy)
+    if policy.stale == "mask":
+        verdicts = [
+            replace(v, masked="stale") if stale and v.masked is None else v
+            for v, stale in zip(verdicts, versions.stale, strict=True)
+        ]
 
     rows: list[list[TrainingRow]] = []
     truncated = dropped = 0
-    for r, mine, verdict in zip(results, per_result, verdicts, strict=True):
+    for r, mine, verdict, stale in zip(results, per_result, verdicts, versions.stale, strict=True):
+        if stale and policy.stale == "drop":
+            dropped += len(mine)
+            rows.append([])
+            continue
         kept = []
         for row in mine:
             row.reward = verdict.reward
@@ -82,10 +94,13 @@ def compose(
 
     flat = [row for mine in rows for row in mine]
     rewards: dict[str, dict[str, float]] = {}
-    for r, verdict in zip(results, verdicts, strict=True):
+    for r, verdict, stale in zip(results, verdicts, versions.stale, strict=True):
+        if stale and policy.stale == "drop":
+            continue
         if verdict.masked is None and r.result is not None:
             rewards.setdefault(r.instance_id, {})[r.result.id] = verdict.reward
     metrics = _metrics(results, flat, paths, verdicts, truncated, dropped)
+    metrics.update(version_metrics(versions))
     return Batch(mode=mode, rows=flat, metrics=metrics, trajectory_rewards=rewards)
 
 

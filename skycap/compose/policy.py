@@ -9,8 +9,9 @@ what was left out; its reward stays out of its group's baseline.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from skycap.rollout import RolloutResult
 
@@ -24,6 +25,7 @@ MASK_REASONS = (
     "fork",
     "group_error",
     "group_timeout",
+    "stale",
     "truncated",
 )
 
@@ -33,6 +35,7 @@ _CHOICES = {
     "timeouts": ("mask", "train"),
     "errors": ("rollout", "group"),
     "forks": ("allow", "mask", "zero_reward"),
+    "stale": ("mask", "drop", "train"),
 }
 
 
@@ -56,6 +59,13 @@ class Policy:
     * `forks`: for a harness declared append-only, a trajectory with more than one path
       is masked (`"mask"`) or trains with reward 0 (`"zero_reward"`); `"allow"` (default)
       trains every path, for harnesses that compact, resample or fan out by design.
+    * `max_policy_lag` (None: no limit), `stale`, `current_version`, `version_key`: a
+      rollout whose oldest trained token was sampled more than `max_policy_lag` versions
+      before `current_version` (None: the newest version in the batch) is masked
+      (`"mask"`), left out with its rows (`"drop"`) or trained anyway (`"train"`); each is
+      counted in `stale_rollouts`. `version_key` turns a version label into something that
+      orders and subtracts (default `int`, for labels such as "3"); see
+      docs/trainer.md "Policy versions".
     """
 
     max_seq_len: int | None = None
@@ -65,6 +75,10 @@ class Policy:
     timeout_threshold: float | None = None
     errors: str = "rollout"
     forks: str = "allow"
+    max_policy_lag: int | None = None
+    stale: str = "mask"
+    current_version: str | None = None
+    version_key: Callable[[str], Any] | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -83,6 +97,16 @@ class Policy:
             raise ValueError(
                 f"Policy.timeout_threshold must be None or a fraction, got {threshold!r}"
             )
+        lag = self.max_policy_lag
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+            raise ValueError(f"Policy.max_policy_lag must be None or an integer >= 0, got {lag!r}")
+        if self.current_version is not None and not isinstance(self.current_version, str):
+            raise ValueError(
+                "Policy.current_version must be None or a version label (a string, as vLLM "
+                f"reports it), got {self.current_version!r}"
+            )
+        if self.version_key is not None and not callable(self.version_key):
+            raise ValueError(f"Policy.version_key must be a function, got {self.version_key!r}")
         if threshold is not None and not 0 < threshold <= 1:
             raise ValueError(
                 "Policy.timeout_threshold must be in (0, 1] (a fraction of a group), "

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -13,6 +15,7 @@ from skycap.client import FinishResult, Sample
 from skycap.loader import LoadedRecord, load
 from skycap.record.reader import RecordError
 from skycap.samples import BuiltSample, build_sample, rows_final, rows_from_samples_field
+from skycap.weights import Span, clip_spans
 
 __all__ = ["MODES", "TrainingRow", "cut", "graph_rows", "sample_rows"]
 
@@ -31,7 +34,9 @@ class TrainingRow:
     not trained; None when not recorded). `targets` are the model nodes (calls) the row
     trains and `leaf` its path's last node, in trajectory `trajectory_id`. `masked` says why
     the row trains nothing (its loss mask is then all zero); `reward` is the trajectory's
-    after the policies. Advantages are the trainer's.
+    after the policies. `weight_versions` says which policy version sampled which trained
+    positions (`[{"version", "start", "end"}]`, None when not reported). Advantages are
+    the trainer's.
     """
 
     trajectory_id: str
@@ -50,6 +55,7 @@ class TrainingRow:
     finish_reason: str | None = None
     truncated: bool = False
     masked: str | None = None
+    weight_versions: list[Span] | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -63,6 +69,19 @@ class TrainingRow:
         """Tokens before the first trained one: the prompt/response split some trainers want."""
         trained = np.flatnonzero(self.loss_mask)
         return int(trained[0]) if trained.size else len(self)
+
+    def version_lags(
+        self, current_version: str, version_key: Callable[[str], Any] | None = None
+    ) -> np.ndarray:
+        """Per position, how many versions before `current_version` its token was sampled
+        (`version_key(current) - version_key(label)`, `version_key` default `int`), for
+        importance weights; -1 where no version is recorded (context positions)."""
+        key = version_key or int
+        lags = np.full(len(self), -1, dtype=np.int64)
+        now = key(current_version)
+        for span in self.weight_versions or ():
+            lags[span["start"] : span["end"]] = now - key(span["version"])
+        return lags
 
     def sampling_mask_rows(self) -> list[list[int]] | None:
         """The sampling mask as one list of allowed token ids per position."""
@@ -104,6 +123,7 @@ def _from_sample(source: Source, sample: Sample) -> TrainingRow:
         logprobs=np.asarray(sample.logprobs, dtype=np.float32),
         routed_experts=sample.routed_experts,
         sampling_mask=None if mask is None else rows_to_csr(mask),
+        weight_versions=sample.weight_versions,
     )
 
 
@@ -174,6 +194,7 @@ def _from_built(source: Source, built: BuiltSample, finish_reason: str | None) -
         routed_experts=built.routed_experts,
         sampling_mask=built.sampling_mask,
         finish_reason=finish_reason,
+        weight_versions=built.weight_versions,
     )
 
 
@@ -188,4 +209,5 @@ def cut(row: TrainingRow, length: int) -> None:
         ids, offsets = row.sampling_mask
         offsets = offsets[: length + 1]
         row.sampling_mask = (ids[: int(offsets[-1])], offsets)
+    row.weight_versions = clip_spans(row.weight_versions, length)
     row.truncated = True

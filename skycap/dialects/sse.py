@@ -6,6 +6,8 @@ from typing import Any
 
 import orjson
 
+from skycap.weights import Span, reported_spans
+
 _PAYLOAD_PREVIEW = 200
 
 
@@ -22,9 +24,19 @@ class EventStream:
     raised by the subclass's `result()`. Each complete event's JSON object goes to
     `_event(name, event)`; `data: [DONE]` sets `done`. An event the server never
     terminated with a blank line is dropped, as the SSE rules (and the SDKs) do.
+    `weight_versions` keeps the last spans an event carried (skycap.weights).
     """
 
-    __slots__ = ("_pending", "_held_cr", "_data", "_name", "_done", "_error", "_events")
+    __slots__ = (
+        "_pending",
+        "_held_cr",
+        "_data",
+        "_name",
+        "_done",
+        "_error",
+        "_events",
+        "weight_versions",
+    )
 
     def __init__(self) -> None:
         self._pending: list[bytes] = []
@@ -34,6 +46,7 @@ class EventStream:
         self._done = False
         self._error: str | None = None
         self._events = 0
+        self.weight_versions: list[Span] | None = None
 
     @property
     def done(self) -> bool:
@@ -107,6 +120,9 @@ class EventStream:
             )
             return
         self._events += 1
+        spans = reported_spans(event)
+        if spans is not None:
+            self.weight_versions = spans
         self._event(name, event)
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from skycap.dialects.messages import anthropic_error, stop_reason
-from skycap.mock.replies import MODEL, Reply, pieces
+from skycap.mock.replies import MODEL, Reply, pieces, reply_spans
 from skycap.mock.upstream import ScriptedUpstream
 
 
@@ -90,6 +90,7 @@ class ScriptedAnthropicUpstream(ScriptedUpstream):
             "stop_reason": _stop(reply),
             "stop_sequence": None,
             "usage": _usage(reply, request_size),
+            **reply_spans(reply),
         }
 
     def _reply_body(self, reply: Reply, *, model: str, reply_id: str, request_size: int) -> bytes:
@@ -102,11 +103,12 @@ class ScriptedAnthropicUpstream(ScriptedUpstream):
         message = self._message(reply, model, reply_id, request_size)
         usage = message["usage"]
         start = {**message, "content": [], "stop_reason": None}
+        start.pop("weight_versions", None)
         start["usage"] = {**usage, "output_tokens": 1}
         events = [_event("message_start", {"message": start}), _event("ping", {})]
         for index, block in enumerate(message["content"]):
             events += _block_events(index, block)
-        delta = {"stop_reason": message["stop_reason"], "stop_sequence": None}
+        delta = {"stop_reason": message["stop_reason"], "stop_sequence": None, **reply_spans(reply)}
         output = {"output_tokens": usage.get("output_tokens", 0)}
         events.append(_event("message_delta", {"delta": delta, "usage": output}))
         events.append(_event("message_stop", {}))

@@ -12,6 +12,7 @@ from skycap.mock.replies import (
     Reply,
     pieces,
     reply_finish_reason,
+    reply_spans,
     reply_tool_calls,
     reply_usage,
 )
@@ -41,6 +42,8 @@ def completion_body(reply: Reply, *, model: str, reply_id: str, request_size: in
                     "message": chat_message(reply),
                     "finish_reason": reply_finish_reason(reply),
                     "logprobs": None,
+                    # chat_completion/protocol.py ChatCompletionResponseChoice (vLLM 0.33)
+                    **reply_spans(reply),
                 }
             ],
             "usage": reply_usage(reply, request_size),
@@ -57,6 +60,8 @@ def stream_events(
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if finish is not None:  # vLLM sets them on the finishing chunk only
+            choice.update(reply_spans(reply))
         return sse_event(head | {"choices": [choice]})
 
     head = {"id": reply_id, "object": "chat.completion.chunk", "created": CREATED, "model": model}

@@ -14,10 +14,19 @@ strings on a `--tokens-only` server, and, when started "with --return-sampling-m
 (`sampling_mask=True`), requests without temperature > 0 and top_k > 0. 0.26 has no
 cache-salt rule and no sampling masks.
 
+Like 0.33 it reports which weight version sampled which output tokens (`weight_versions`
+on each choice, on the finishing chunk when streamed) and serves the RL routes that set
+the version (`POST /update_weight_version`, `POST /finish_weight_update`,
+`GET /weight_info`) and `GET /version` (skycap.mock.weight_clock names the vLLM source of
+each rule). `engine.weights.switch_at(5, "4")` switches the next completion to version
+"4" from its output token 5, streamed or not; a version set through the routes while a
+stream is held (`hold_stream`) labels the rest of that stream.
+
     engine = ScriptedEngine(tokenizer)
     url = engine.start()
     engine.queue("<think>\\nok\\n</think>\\n\\nHello.")
     engine.fail_next("http_500")
+    engine.weights.switch_at(5, "4")
     ...
     engine.stop()
 """
@@ -58,6 +67,7 @@ from skycap.mock.vllm_rules import (
     stream_problem,
     tokens_only_stop_problem,
 )
+from skycap.mock.weight_clock import WeightClock
 
 #: Fault modes accepted by `ScriptedEngine.fail_next`.
 FAULTS = frozenset(
@@ -148,6 +158,10 @@ class ScriptedEngine:
         self.tokens_only = tokens_only
         self.scale_out = scale_out
         self.experts_dtype = experts_dtype
+        #: The weight version the RL routes set, and scripted switches inside a completion.
+        self.weights = WeightClock()
+        #: What `GET /version` answers (entrypoints/serve/instrumentator/basic.py).
+        self.vllm_version = f"{version}.0"
         #: Streamed replies (`stream: true`): tokens per chunk, seconds between chunks and
         #: before the first one (a long prefill or a queued request).
         self.stream_chunk = 2
@@ -365,9 +379,38 @@ class ScriptedEngine:
             reply = self._replies.popleft() if self._replies else None
         reply = reply if reply is not None else self._script(body)
         answer = self._answer(body, reply, fault)
+        spans = self.weights.request() if self.version == "0.33" else None
         if body.get("stream") is True:
-            return 200, StreamedReply(stream_chunks(body, answer, self.stream_chunk), fault)
+            chunks = stream_chunks(body, answer, self.stream_chunk)
+            return 200, StreamedReply(chunks, fault, spans)
+        if spans is not None and answer["choices"]:
+            # token_in_token_out/serving.py `serve_tokens`: the finished output's spans
+            choice = answer["choices"][0]
+            spans.label(len(choice["token_ids"]))
+            choice["weight_versions"] = spans.spans()
         return 200, json_bytes(answer)
+
+    def weight_route(self, method: str, route: str, body: Any) -> tuple[int, bytes] | None:
+        """vLLM's RL and version routes (entrypoints/rl/online/api_router.py,
+        entrypoints/serve/instrumentator/basic.py); None for another route."""
+        if method == "GET" and route == "/version":
+            return 200, json_bytes({"version": self.vllm_version})
+        if method == "GET" and route == "/weight_info":
+            return 200, json_bytes({"weight_version": self.weights.version})
+        if method == "POST" and route == "/update_weight_version":
+            version = body.get("new_version") if isinstance(body, dict) else None
+            if not isinstance(version, str):  # FastAPI's embedded required str body field
+                return 422, json_bytes({"detail": "new_version: Field required (a string)"})
+            self.weights.set(version)
+            return 200, json_bytes({"success": True, "new_version": version})
+        if method == "POST" and route == "/finish_weight_update":
+            version = body.get("weight_version") if isinstance(body, dict) else None
+            if version is not None and not isinstance(version, str):
+                return 422, json_bytes({"detail": "weight_version: Input should be a string"})
+            if version is not None:  # v1/engine/async_llm.py `finish_weight_update`
+                self.weights.set(version)
+            return 200, json_bytes({"message": "Weight update finished"})
+        return None
 
     def abort(self, body: Any) -> tuple[int, bytes]:
         """token_in_token_out/api_router.py `abort_requests` (0.33): 200, or 400 without ids."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from skycap.local_http import LocalHTTPServer
 from skycap.mock.engine_wire import json_bytes
+from skycap.mock.weight_clock import VersionSpans
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -35,6 +36,9 @@ class StreamedReply:
 
     chunks: list[dict[str, Any]]
     fault: str | None
+    #: Labels each chunk's tokens with the weight version current as it is sent; the
+    #: finishing chunk carries the spans (None: a version of vLLM that reports none).
+    versions: VersionSpans | None = None
 
 
 class EngineCalls(Protocol):
@@ -50,6 +54,9 @@ class EngineCalls(Protocol):
 
     def abort(self, body: Any) -> tuple[int, bytes]:
         """An `abort_requests` call's (status, body)."""
+
+    def weight_route(self, method: str, route: str, body: Any) -> tuple[int, bytes] | None:
+        """A weight-version or `/version` route's (status, body), or None for another route."""
 
     def stream_wait(self, index: int) -> None:
         """Pause before chunk `index` of a stream, as the engine generates."""
@@ -106,6 +113,10 @@ class EngineHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         engine = self.server.engine
         engine.record(Request("GET", self.path, dict(self.headers.items()), None))
+        routed = engine.weight_route("GET", self._route(), None)
+        if routed is not None:
+            self._send(*routed)
+            return
         if self._route() != MODELS_PATH:
             self._no_route()
             return
@@ -123,6 +134,10 @@ class EngineHandler(BaseHTTPRequestHandler):
         route = self._route()
         if route == ABORT_PATH:
             self._send(*engine.abort(body))
+            return
+        routed = engine.weight_route("POST", route, body)
+        if routed is not None:
+            self._send(*routed)
             return
         if route != GENERATE_PATH:
             self._no_route()
@@ -164,6 +179,7 @@ class EngineHandler(BaseHTTPRequestHandler):
                     chunk = {**chunk, "choices": [end]}
                 elif reply.fault == "stream_no_finish" and chunk["choices"]:
                     chunk["choices"][0]["finish_reason"] = None
+                _label(reply.versions, chunk)
                 self._chunk(b"data: " + json_bytes(chunk) + b"\n\n")
                 if aborted:
                     break
@@ -189,3 +205,14 @@ class EngineHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+
+def _label(versions: VersionSpans | None, chunk: dict[str, Any]) -> None:
+    """Label a chunk's tokens as they are sent; the finishing chunk gets the spans
+    (token_in_token_out/protocol.py GenerateStreamChoiceBase: set on the final chunk only)."""
+    if versions is None or not chunk["choices"]:
+        return
+    choice = chunk["choices"][0]
+    versions.label(len(choice.get("token_ids") or ()))
+    if choice.get("finish_reason") is not None:
+        choice["weight_versions"] = versions.spans()

@@ -22,6 +22,8 @@ class Reply:
 
     `finish_reason` defaults to `tool_calls` when there are tool calls, else `stop`;
     `usage` defaults to deterministic counts derived from the sizes of request and reply.
+    `weight_versions` are spans a vLLM upstream would attach (skycap.weights), sent where
+    each wire carries them; None sends none.
     """
 
     content: str | None = None
@@ -29,6 +31,7 @@ class Reply:
     tool_calls: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 ReplySpec = Reply | Mapping[str, Any]
@@ -90,6 +93,11 @@ def reply_tool_calls(reply: Reply) -> list[dict[str, Any]]:
 def reply_finish_reason(reply: Reply) -> str:
     """The reply's finish reason: as scripted, else `tool_calls` or `stop`."""
     return reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
+
+
+def reply_spans(reply: Reply) -> dict[str, Any]:
+    """`{"weight_versions": …}` to merge where a wire carries them, or nothing."""
+    return {} if reply.weight_versions is None else {"weight_versions": reply.weight_versions}
 
 
 def reply_usage(reply: Reply, request_size: int) -> dict[str, Any]:

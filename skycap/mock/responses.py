@@ -22,6 +22,7 @@ from skycap.mock.replies import (
     MODEL,
     Reply,
     pieces,
+    reply_spans,
     reply_tool_calls,
     reply_usage,
     text_of,
@@ -123,6 +124,7 @@ def response_object(
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
         "usage": response_usage(reply, request_size),
+        **reply_spans(reply),
     }
 
 
@@ -135,6 +137,7 @@ def stream_events(response: dict[str, Any]) -> list[bytes]:
         return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
 
     opening = {**response, "status": "in_progress", "output": [], "usage": None}
+    opening.pop("weight_versions", None)  # the finished response carries them
     events = [event("response.created", response=opening)]
     events.append(event("response.in_progress", response=opening))
     for index, item in enumerate(response["output"]):

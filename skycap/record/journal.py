@@ -137,6 +137,7 @@ class Journal:
             "server": self.instance,
             "id": trajectory.id,
             "capture": trajectory.capture,
+            "provenance": trajectory.provenance,
             "meta": trajectory.meta,
             "created_at": trajectory.created_at,
         }
@@ -420,6 +421,7 @@ def read_journal(record_dir: Path, trajectory_id: str) -> Trajectory:
         capture=head.get("capture") or {"mode": "text"},
         meta=head.get("meta") or {},
         created_at=head.get("created_at") or time.time(),
+        provenance=head.get("provenance"),
     )
     for number, text in enumerate(lines[1:], start=2):
         if not text:

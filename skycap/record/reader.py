@@ -260,6 +260,7 @@ def _trajectory(document: dict[str, Any]) -> Trajectory:
         capture=document["capture"],
         meta=document.get("meta") or {},
         created_at=document["created_at"],
+        provenance=document.get("provenance"),
     )
     trajectory.status = document["status"]
     ended = document.get("ended")

@@ -63,6 +63,10 @@ class CallMode(Protocol):
     decode_spans: Callable[..., tuple[bytes, list[int]]] | None
     renders: bool
 
+    def provenance(self) -> dict[str, Any]:
+        """The `provenance` of a trajectory created now (format.md §4)."""
+        ...
+
     def attach(self, store: TrajectoryStore) -> None:
         """Built before the store (which records `capture`); given it before `start`."""
         ...

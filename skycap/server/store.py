@@ -71,9 +71,11 @@ class TrajectoryStore:
         *,
         release: Release | None = None,
         decode_spans: DecodeSpans | None = None,
+        provenance: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.options = options
         self.capture = capture
+        self._provenance = provenance
         self.records = Records(options, decode_spans)
         self._release = release
         self._live: dict[str, Live] = {}
@@ -96,7 +98,10 @@ class TrajectoryStore:
 
     def create(self, meta: dict[str, Any]) -> Live:
         trajectory_id = new_trajectory_id()
-        trajectory = Trajectory(trajectory_id, capture=self.capture, meta=meta)
+        provenance = None if self._provenance is None else self._provenance()
+        trajectory = Trajectory(
+            trajectory_id, capture=self.capture, meta=meta, provenance=provenance
+        )
         live = Live(trajectory, new_api_key(), self._lock_for(trajectory_id))
         self._live[trajectory_id] = live
         if self.closing:

@@ -35,6 +35,8 @@ from skycap.server.retry import CallKey, Entry, Replay
 from skycap.server.store import TrajectoryStore
 from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
 from skycap.text.commit import commit_text_call
+from skycap.tokens.provenance import versions
+from skycap.weights import Span, reported_spans
 
 logger = logging.getLogger("skycap.server")
 
@@ -131,6 +133,10 @@ class TextMode:
         if flow.response is None and flow.error and not flow.error.msg.startswith("Client"):
             message = f"upstream unavailable: {flow.error.msg}"
             self.conns.respond(flow, 502, dialect.error(502, message))
+
+    def provenance(self) -> dict[str, Any]:
+        """Text mode renders nothing itself: skycap's version is all it can vouch for."""
+        return {"skycap": versions()["skycap"]}
 
     def attach(self, store: TrajectoryStore) -> None:
         self.store = store
@@ -333,6 +339,7 @@ class TextCall:
         usage: Any,
         saw_end: bool,
         reply_id: Any = None,
+        weight_versions: list[Span] | None = None,
     ) -> bool:
         call = call_record(
             self.request,
@@ -342,6 +349,7 @@ class TextCall:
             sampling=self.request.sampling,
             usage=usage if isinstance(usage, dict) else None,
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            measured=None if weight_versions is None else {"weight_versions": weight_versions},
             # the upstream's reply id, which later calls may name
             marks={**harness_mark(saw_end), **reply_id_mark(self.dialect, reply_id)},
         )
@@ -427,7 +435,8 @@ class TextCall:
                 self._fail(None, f"unreadable reply: {problem}")
             else:
                 saw_end = self._harness_saw_end()
-                if self._commit(message, finish_reason, usage, saw_end, parsed.get("id")):
+                spans = reported_spans(parsed)
+                if self._commit(message, finish_reason, usage, saw_end, parsed.get("id"), spans):
                     replay = Replay.of(status, fields, body)
         self._end(replay)
         self._answer(response)
@@ -487,7 +496,14 @@ class TextCall:
                 failure = self.dialect.stream_failure(assembler, str(exc))
         else:
             reply_id = getattr(assembler, "reply_id", None)
-            committed = self._commit(message, finish_reason, assembler.usage, saw_end, reply_id)
+            committed = self._commit(
+                message,
+                finish_reason,
+                assembler.usage,
+                saw_end,
+                reply_id,
+                assembler.weight_versions,
+            )
             if committed and not saw_end:
                 replay = Replay.of(200, fields, b"".join(self.body))
         self.body = []

@@ -46,6 +46,7 @@ class TokenMode:
         self.backend = TokenBackend.from_options(options)
         self.capture: dict[str, Any] = self.backend.capture
         self.release = self.backend.release
+        self.provenance = self.backend.provenance
         self.decode_spans = self.backend.decode_spans
         self.keepalive = options.keepalive
         self.logprobs_mode = options.logprobs_mode

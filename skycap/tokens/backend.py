@@ -20,6 +20,7 @@ from skycap.dialects import Dialect, Request
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.tokens.options import OPTION_NAMES, TokenOptions
 from skycap.tokens.outcome import Reply, TurnError, error, error_reply
+from skycap.tokens.provenance import renderer_provenance, token_provenance
 from skycap.tokens.relay import Relay
 from skycap.tokens.renderer import RenderError
 from skycap.tokens.settings import TokenSettings
@@ -42,6 +43,9 @@ class TokenBackend:
         self.served = self.settings.served
         self._pool = self.settings.pool
         self._states: dict[str, TrajectoryState] = {}
+        #: The engine's release, asked at start, and the renderer's part (provenance).
+        self.engine_version: str | None = None
+        self._renderer_provenance: dict[str, Any] | None = None
 
     @classmethod
     def from_options(cls, options: TokenOptions) -> TokenBackend:
@@ -73,6 +77,17 @@ class TokenBackend:
         retrying in the background, and the first call asks again.
         """
         await self.served.start(self.client.list_models)
+        self.engine_version = await self.client.engine_version()
+        # Digesting the tokenizer's files reads megabytes: on a renderer thread, once.
+        self._renderer_provenance = await self._pool.run(renderer_provenance)
+
+    def provenance(self) -> dict[str, Any]:
+        """The `provenance` of a trajectory created now (format.md §4)."""
+        return token_provenance(
+            self._renderer_provenance or renderer_provenance(self._pool.primary),
+            self.served.name,
+            self.engine_version,
+        )
 
     # -- a harness call -------------------------------------------------------------------
 

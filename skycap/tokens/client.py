@@ -135,6 +135,23 @@ class EngineClient:
         response = await self.models(timeout=CONNECT_TIMEOUT)
         return response.status_code, response.content
 
+    async def engine_version(self) -> str | None:
+        """The release the engine reports at its wire's `version_path` (vLLM's `/version`:
+        `{"version": "0.33.0"}`), or None when the wire names no route or the engine does
+        not answer it; recorded in each record's provenance."""
+        path = getattr(self.engine, "version_path", None)
+        if path is None:
+            return None
+        try:
+            response = await self._http().get(
+                self.upstream_url + path, headers=self._auth(), timeout=RELEASE_TIMEOUT
+            )
+            version = orjson.loads(response.content).get("version")
+        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError) as exc:
+            log.info("engine version: %s: %s", type(exc).__name__, exc)
+            return None
+        return version if response.status_code == 200 and isinstance(version, str) else None
+
     async def release(self, session_id: str) -> None:
         """Ask the engine to drop the session's state
         (best effort, docs/tokens.md "Engines and renderers")."""

@@ -24,6 +24,7 @@ import numpy as np
 import orjson
 
 from skycap.arrays import PackedArrayError, unpack
+from skycap.weights import Span, SpansError, clip_spans, read_spans
 
 EXPERT_DTYPES = ("uint8", "uint16")
 #: Older vLLM builds (and some >256-expert models) send int32 rows; they are narrowed to
@@ -58,6 +59,9 @@ class EngineOutput:
     #: Rows per completion token of other sidecar kinds (skycap/record/sidecars.py), by the
     #: kind's field name; the commit gives the scaffold zero rows.
     extra: dict[str, np.ndarray] | None = None
+    #: Which weight version sampled which completion tokens (skycap/weights.py), or None
+    #: when the engine did not say.
+    weight_versions: list[Span] | None = None
 
     @property
     def missing_logprobs(self) -> int:
@@ -200,6 +204,9 @@ class VLLMEngine:
     generate_path: str = "/inference/v1/generate"
     models_path: str = "/v1/models"
     release_path: str | None = None
+    #: Where the engine reports its release (entrypoints/serve/instrumentator/basic.py
+    #: `show_version`), for each record's provenance; None: it does not.
+    version_path: str | None = "/version"
     #: Where a streamed request is stopped early (a stop string completed): vLLM 0.33's
     #: token_in_token_out/api_router.py `abort_requests`; None: closing the stream is all.
     abort_path: str | None = "/inference/v1/abort_requests"
@@ -312,7 +319,18 @@ class VLLMEngine:
         return output
 
     def _side_channels(self, choice: Mapping[str, Any], output: EngineOutput) -> None:
-        """Read `routed_experts` and `sampling_mask` from the choice into `output`."""
+        """Read `routed_experts`, `sampling_mask` and `weight_versions` from the choice.
+
+        vLLM 0.33 sends `weight_versions` on every choice (token_in_token_out/protocol.py
+        GenerateChoiceBase): contiguous spans over the output tokens, from the weight
+        version each engine step ran under (v1/engine/output_processor.py).
+        """
+        try:
+            output.weight_versions = read_spans(
+                choice.get("weight_versions"), len(output.completion_ids)
+            )
+        except SpansError as exc:
+            raise EngineError(str(exc)) from exc
         experts = choice.get("routed_experts")
         if experts is not None:
             output.routed_experts, start = _routed_experts(experts)
@@ -457,6 +475,17 @@ def _sampling_mask(mask: Any, n: int) -> list[list[int]]:
     return mask
 
 
+def _stopped_spans(value: Any, count: int) -> list[Span] | None:
+    """An aborted stream's spans over the tokens it delivered: an abort may land after the
+    engine sampled tokens it never streamed, so longer spans are clipped; spans that do
+    not reach the delivered tokens say nothing usable (None)."""
+    try:
+        spans = clip_spans(read_spans(value, None), count)
+    except SpansError:
+        return None
+    return spans if spans and spans[-1]["end"] == count else None
+
+
 def openai_model_ids(body: bytes) -> list[str]:
     """The `data[].id` values of an OpenAI model list (vLLM's `/v1/models`), in order."""
     try:
@@ -478,7 +507,8 @@ class EngineStream:
     step: `choices[0]` carries that step's `token_ids`, their `logprobs.content` entries and
     `sampling_mask` rows (v1/engine/output_processor.py clears the mask chunks per delta);
     the chunk with a `finish_reason` carries the whole `routed_experts` array (concatenated
-    on finish). A usage chunk (`choices: []`) and `data: [DONE]` end it; a failure inside
+    on finish) and the `weight_versions` spans over the whole output. A usage chunk
+    (`choices: []`) and `data: [DONE]` end it; a failure inside
     the stream arrives as a `data:` object with an `error`. Everything is kept in the order
     the engine sent it, and the finished reply is validated by `VLLMEngine.parse`, so a
     streamed and a non-streamed reply are read by one set of rules.
@@ -491,6 +521,7 @@ class EngineStream:
         self._logprobs: list[Any] = []
         self._mask: list[Any] | None = None
         self._experts: list[Any] = []
+        self._versions: Any = None
         self.finish_reason: Any = None
         self.finished = False
         #: The engine's id for this request (`request_id` of its chunks), for an abort.
@@ -536,6 +567,8 @@ class EngineStream:
         experts = choice.get("routed_experts")
         if experts is not None:
             self._experts.append(experts)
+        if choice.get("weight_versions") is not None:  # the finishing chunk's, over all tokens
+            self._versions = choice["weight_versions"]
         reason = choice.get("finish_reason")
         if reason is not None:
             self.finish_reason = reason
@@ -560,6 +593,9 @@ class EngineStream:
             "logprobs": {"content": self._logprobs},
             "finish_reason": "stop" if stopped else self.finish_reason,
             "sampling_mask": self._mask,
+            "weight_versions": _stopped_spans(self._versions, len(self.token_ids))
+            if stopped
+            else self._versions,
         }
         if len(self._experts) == 1:
             choice["routed_experts"] = self._experts[0]

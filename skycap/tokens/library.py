@@ -76,6 +76,11 @@ def infer_renderer_name(source: str) -> str | None:
     return None
 
 
+def resolve_renderer_name(renderer_name: str | None, source: str) -> str | None:
+    """The renderer name asked for, or (None or "auto") the one `source` calls for."""
+    return renderer_name if renderer_name not in (None, "auto") else infer_renderer_name(source)
+
+
 def create_library_renderer(
     tokenizer: Any,
     renderer_name: str | None,
@@ -93,7 +98,7 @@ def create_library_renderer(
     from renderers.base import create_renderer
     from renderers.configs import config_from_name
 
-    name = renderer_name if renderer_name not in (None, "auto") else infer_renderer_name(source)
+    name = resolve_renderer_name(renderer_name, source)
     if name is None:
         raise RenderError(
             f"no renderer is known for tokenizer {source!r}: pass --renderer NAME "

@@ -8,8 +8,13 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from skycap.tokens.library import create_library_renderer, load_tokenizer
+from skycap.tokens.library import (
+    create_library_renderer,
+    load_tokenizer,
+    resolve_renderer_name,
+)
 from skycap.tokens.memo_tokenizer import MemoTokenizer
+from skycap.tokens.provenance import text_digest, tokenizer_digest
 from skycap.tokens.renderer import Rendered, RenderError, starts_with, tool_call_id
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,8 @@ class LibraryRenderer:
     ) -> None:
         self.name = os.fspath(tokenizer)
         self._tokenizer = load_tokenizer(self.name)
+        self.renderer_name = resolve_renderer_name(renderer_name, self.name)
+        self._provenance: dict[str, Any] | None = None
         self._lib = create_library_renderer(
             MemoTokenizer(self._tokenizer), renderer_name, chat_template_kwargs, self.name
         )
@@ -46,6 +53,22 @@ class LibraryRenderer:
         self._think_end = _single_token_id(self._tokenizer, "</think>")
         markup = ("<think>", "</think>", "<tool_call>")
         self._markup = all(_single_token_id(self._tokenizer, m) is not None for m in markup)
+
+    def provenance(self) -> dict[str, Any]:
+        """The tokenizer's name and digest, the chat template's digest and the renderer
+        (skycap.tokens.provenance), computed once."""
+        if self._provenance is None:
+            self._provenance = {
+                "tokenizer": {
+                    "name": self.name,
+                    "digest": tokenizer_digest(self.name, self._tokenizer),
+                },
+                "chat_template_digest": text_digest(
+                    getattr(self._tokenizer, "chat_template", None)
+                ),
+                "renderer": self.renderer_name,
+            }
+        return self._provenance
 
     @property
     def think_end_id(self) -> int | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from skycap.tokens.engine import EngineOutput
 from skycap.tokens.renderer import RAW_CONTENT_CONTEXT, Renderer, decode_spans_as
+from skycap.weights import clip_spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,8 @@ def strip_stop(message: dict[str, Any], match: StopMatch) -> dict[str, Any]:
 
 
 def cut_completion(output: EngineOutput, keep: int, prompt_tokens: int) -> None:
-    """Keep the first `keep` completion tokens, with logprobs, mask and expert rows to match.
+    """Keep the first `keep` completion tokens, with logprobs, mask, expert rows and weight
+    versions to match.
 
     Expert rows cover positions [start, total - 1) (the last sampled token is never
     forwarded), so they end one position before the last kept token.
@@ -127,6 +129,7 @@ def cut_completion(output: EngineOutput, keep: int, prompt_tokens: int) -> None:
     output.logprobs = output.logprobs[:keep]
     if output.sampling_mask is not None:
         output.sampling_mask = output.sampling_mask[:keep]
+    output.weight_versions = clip_spans(output.weight_versions, keep)
     if output.routed_experts is not None:
         rows = max(prompt_tokens + keep - 1 - output.routed_start, 0)
         output.routed_experts = output.routed_experts[:rows]

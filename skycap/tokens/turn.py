@@ -419,6 +419,8 @@ def _measured(output: EngineOutput, stop: StopMatch | None) -> dict[str, Any]:
         extras["missing_logprobs"] = missing
     if output.engine_finish_reason is not None:
         extras["engine_finish_reason"] = output.engine_finish_reason
+    if output.weight_versions is not None:
+        extras["weight_versions"] = output.weight_versions
     return extras
 
 

@@ -19,6 +19,7 @@ import orjson
 
 from skycap.linearity import MalformedDocument, forks
 from skycap.record.sidecars import REGISTRY
+from skycap.weights import SpansError, read_spans
 
 ERROR, WARN, INFO = "error", "warn", "info"
 
@@ -278,12 +279,27 @@ def path_blocks(derived: Derived, index: int, *, chars: bool = False) -> list[di
             trained_in = derived.targets.get(node_id, index)
             block = {"kind": SAMPLED, "node": node_id, "start": cursor + scaffold}
             block["end"] = cursor + length
+            if not chars:
+                block.update(_versions(node, cursor + scaffold, length - scaffold))
             if trained_in != index:
                 block["kind"] = ELSEWHERE
                 block["trained_in"] = trained_in
             blocks.append(block)
         cursor += length
     return blocks
+
+
+def _versions(node: Mapping[str, Any], start: int, sampled: int) -> dict[str, Any]:
+    """`{"versions": [[label, start, end], …]}` over path positions: which weight version
+    sampled which of the node's tokens (its first call's spans), or nothing."""
+    calls = calls_of(node)
+    try:
+        spans = read_spans(calls[0].get("weight_versions"), sampled) if calls else None
+    except SpansError:
+        return {}
+    if not spans:
+        return {}
+    return {"versions": [[s["version"], s["start"] + start, s["end"] + start] for s in spans]}
 
 
 def strip(blocks: list[dict[str, Any]]) -> list[list[Any]]:

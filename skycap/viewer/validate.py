@@ -25,6 +25,7 @@ from skycap.record.sidecar_kind import ABSENT, show
 from skycap.record.sidecars import KINDS, REGISTRY, TOKENS, attached, kind_order
 from skycap.trajectory import STATUSES
 from skycap.viewer.derive import as_dict, as_list, is_int, malformed_kinds
+from skycap.weights import SpansError, read_spans
 
 PROBLEMS_PER_LINE = 5
 DEFAULT_LIMIT = 20
@@ -135,6 +136,7 @@ def _node_rules(document: Mapping[str, Any]) -> list[str]:
                 problems.append(f"node {i}: call tools {show(key)} not in document tools")
             if mode != "tokens" and call.get("bridged") is not None:
                 problems.append(f"node {i}: bridged {show(call['bridged'])} in text mode")
+            problems += _spans_rules(i, call, node.get("tokens"))
         tokens = node.get("tokens")
         if tokens is None:
             if mode == "tokens":
@@ -147,6 +149,19 @@ def _node_rules(document: Mapping[str, Any]) -> list[str]:
             problems, i, author, tokens, token_cursor, text_cursor
         )
     return problems
+
+
+def _spans_rules(i: int, call: Mapping[str, Any], tokens: Any) -> list[str]:
+    """A call's `weight_versions`: contiguous, in order, over exactly its completion (the
+    node's sampled tokens, when the record has them)."""
+    tokens = as_dict(tokens)
+    length, start = tokens.get("length"), tokens.get("sampled_start")
+    count = length - start if is_int(length) and is_int(start) else None
+    try:
+        read_spans(call.get("weight_versions"), count)
+    except SpansError as exc:
+        return [f"node {i}: call {exc}"]
+    return []
 
 
 def _is_shadow_sibling(nodes: list[Any], i: int, shadow: Any) -> bool:

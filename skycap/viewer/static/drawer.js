@@ -2,7 +2,7 @@
 // JSON tabs of one trajectory. Tab, path and the two compared paths are reported to the URL.
 
 import { getJSON, trajectoryPath } from "./api.js";
-import { TokenView } from "./tokenview.js";
+import { TokenView, versionLabels } from "./tokenview.js";
 import {
   el, fill, flagChip, fmtInt, fmtReward, fmtTime, legend, messageText, strip, FLAG_LEVELS,
 } from "./util.js";
@@ -100,6 +100,7 @@ export class Drawer {
       el("div", { class: "dr-sub muted" },
         `${d.run} · ${(doc.capture || {}).mode || "unknown"} mode · created ${fmtTime(doc.created_at)} · `,
         `${d.paths.length} path(s) · ${(doc.nodes || []).length} nodes · ${groupText}`),
+      provenanceNote(doc.provenance),
       el("div", { class: "dr-flags" },
         d.group_flags.map((f) => flagChip(f, FLAG_LEVELS[f])),
         d.flags.map(({ flag, level }) => flagChip(flag, level))),
@@ -174,7 +175,7 @@ export class Drawer {
       el("div", { class: "path-bar" },
         el("b", {}, `p${index}`), bigStrip,
         payload.token_data ? el("label", { class: "muted", title: "colour sampled tokens by probability" }, ribbon, " logprob ribbon") : null),
-      el("div", { class: "path-info muted" }, `${payload.id} · ${counts} · `, legend()),
+      el("div", { class: "path-info muted" }, `${payload.id} · ${counts} · `, legend(), versionLegend(payload.blocks)),
       payload.warning && payload.warning !== d.warning ? el("div", { class: "warn-box" }, payload.warning) : null,
       host);
     if (this.view) this.view.destroy();
@@ -347,6 +348,32 @@ export class Drawer {
 }
 
 // An open trajectory's record is a snapshot: say how it gets finished.
+// What produced the record beyond the weights (format.md §4), on one line.
+function provenanceNote(p) {
+  if (!p || typeof p !== "object") return null;
+  const tokenizer = p.tokenizer || {};
+  const engine = p.engine || {};
+  const short = (digest) => (typeof digest === "string" ? digest.replace("sha256:", "").slice(0, 12) : "?");
+  const parts = [
+    `skycap ${p.skycap || "?"}`,
+    tokenizer.name ? `tokenizer ${tokenizer.name} (${short(tokenizer.digest)})` : null,
+    p.chat_template_digest ? `template ${short(p.chat_template_digest)}` : null,
+    p.renderer ? `renderer ${p.renderer}` : null,
+    p.renderers ? `renderers ${p.renderers}` : null,
+    p.transformers ? `transformers ${p.transformers}` : null,
+    engine.model || engine.version ? `engine ${engine.model || "?"} (vLLM ${engine.version || "?"})` : null,
+  ].filter(Boolean);
+  return el("div", { class: "dr-provenance muted", title: JSON.stringify(p, null, 1) }, `provenance: ${parts.join(" · ")}`);
+}
+
+// The colour key of the weight versions, when more than one sampled this path.
+function versionLegend(blocks) {
+  const labels = versionLabels(blocks);
+  if (labels.length < 2) return null;
+  return el("span", { class: "wv-legend" }, " · weight versions ",
+    labels.map((label, k) => el("span", { class: `t wv wv${k % 6}` }, label)));
+}
+
 function openNote(id, doc) {
   if (doc.status !== "open" && doc.ended !== false) return null;
   return el("div", { class: "warn-box open-note" },

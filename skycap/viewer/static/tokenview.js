@@ -1,6 +1,7 @@
 // A virtualized view of one path: its blocks laid out into fixed-height lines, of which only
 // the lines on screen are in the DOM. Each token is one span; hovering it shows its id,
 // logprob and text. Without tokens (text-only fallback or text mode) blocks show message text.
+// When more than one weight version sampled the path, sampled tokens are coloured by version.
 
 import { esc } from "./util.js";
 
@@ -11,6 +12,22 @@ const GUTTER_CHARS = 16;
 function visible(text) {
   if (text === "") return "·";
   return text.replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍");
+}
+
+const VERSION_COLOURS = 6;
+
+// The weight versions that sampled a path's blocks, in order of first appearance.
+export function versionLabels(blocks) {
+  const labels = [];
+  for (const block of blocks) {
+    for (const [label] of block.versions || []) if (!labels.includes(label)) labels.push(label);
+  }
+  return labels;
+}
+
+function versionAt(block, i) {
+  const span = (block.versions || []).find(([, start, end]) => start <= i && i < end);
+  return span ? span[0] : null;
 }
 
 export class TokenView {
@@ -48,6 +65,7 @@ export class TokenView {
   setData(payload, labels) {
     this.payload = payload;
     this.labels = labels;
+    this.versions = versionLabels(payload.blocks);
     this.scroller.scrollTop = 0;
     this.cols = 0;
     this.relayout();
@@ -196,7 +214,9 @@ export class TokenView {
           const p = Math.exp(logprobs[i]);
           style = ` style="background:hsl(${Math.round(p * 120)} 70% 50% / 0.35)"`;
         }
-        const extra = raw === "" ? " empty" : special ? " special" : "";
+        const version = this.versions.length > 1 && !this.ribbon ? versionAt(block, i) : null;
+        const colour = version === null ? "" : ` wv wv${this.versions.indexOf(version) % VERSION_COLOURS}`;
+        const extra = (raw === "" ? " empty" : special ? " special" : "") + colour;
         parts.push(`<span class="t${extra}" data-i="${i}" data-id="${ids[i]}"${style}>${esc(visible(raw))}</span>`);
       }
       body = parts.join("");
@@ -242,6 +262,7 @@ export class TokenView {
       `<div class="tt-head">token ${i.toLocaleString("en-US")} · ${esc(block ? `${block.kind} · n${block.node}` : "")}</div>` +
       `<div>id <b class="tt-id">${ids[i]}</b></div>` +
       `<div>logprob <b class="tt-logprob">${lp === null ? "none" : lp.toFixed(4)}</b>${prob}</div>` +
+      (block && versionAt(block, i) !== null ? `<div>weight version <b class="tt-version">${esc(versionAt(block, i))}</b></div>` : "") +
       `<div>text <code class="tt-text">${esc(JSON.stringify(this.tokenText(i)))}</code></div>`;
     this.tooltip.hidden = false;
     this.place(event);
