@@ -119,9 +119,8 @@ def test_claude_code_rollouts_become_step_rows_skyrl_accepts(runtime: SkycapRunt
     assert list(dict.fromkeys(order)) == ["first_0", "first_1", "second_0", "second_1"]
     # Each rollout is at least the tool round trip: the Bash call, then the answer.
     assert all(order.count(k) >= 2 for k in set(order))
-    assert [r[-1] for r, last in zip(output["rewards"], output["is_last_step"]) if last] == [
-        1.0
-    ] * 4
+    rewards = zip(output["rewards"], output["is_last_step"], strict=True)
+    assert [r[-1] for r, last in rewards if last] == [1.0] * 4
     assert all(any(mask) for mask in output["loss_masks"])
     assert output["rollout_metrics"]["generate/retried_rollouts"] == 1
 
