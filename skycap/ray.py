@@ -77,10 +77,11 @@ def _uv_run_env() -> dict[str, Any] | None:
     """The actors' runtime environment when the job's runs workers through `uv run`, else None.
 
     Ray's uv hook (a driver started with `uv run`) runs every worker as `uv run … python` in
-    a copy of the working directory, which holds no virtualenv: with `--no-sync` (or a
-    relative `--project`) that is a fresh environment without ray or skycap, and the actors
-    never start. The capture servers run this driver's own interpreter instead, where skycap
-    is installed (the same path on every node, as on a shared image or filesystem).
+    a copy of the working directory, which holds no virtualenv: with `--no-sync` that is a
+    fresh environment without ray or skycap, and the actors never start (without it, each
+    worker first syncs a new environment there). The capture servers run this driver's own
+    interpreter instead, where skycap is installed (the same path on every node, as on a
+    shared image or filesystem).
     """
     executable = str(ray.get_runtime_context().runtime_env.get("py_executable") or "")
     words = executable.split()

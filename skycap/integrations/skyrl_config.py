@@ -8,6 +8,7 @@ name the key, the value and what to do. See docs/skyrl.md "The config block".
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -185,7 +186,10 @@ class SkycapConfig:
 
 
 def _plain(value: Any, key: str) -> dict[str, Any]:
-    """A mapping as a plain dict (an OmegaConf node resolves through `items()`)."""
+    """A mapping as a plain dict (an OmegaConf node resolves through `items()`; a dataclass
+    config, as SkyRL's own, through its fields)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
     if not isinstance(value, Mapping) and not callable(getattr(value, "items", None)):
         raise ValueError(f"{key} must be a mapping, got {type(value).__name__}")
     return {str(k): _plain_value(v) for k, v in value.items()}
@@ -194,6 +198,8 @@ def _plain(value: Any, key: str) -> dict[str, Any]:
 def _plain_value(value: Any) -> Any:
     if isinstance(value, str | bytes | int | float | bool) or value is None:
         return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(value, type(value).__name__)
     if isinstance(value, Mapping) or callable(getattr(value, "items", None)):
         return {str(k): _plain_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple) or (
