@@ -34,9 +34,23 @@ from skycap.integrations.skyrl import (
     SkycapGenerator,
     SkycapRuntime,
     TrajectoryID,
+    openai_sampling,
 )
 
 REPETITIONS = 2
+#: SkyRL's sampling params for the vLLM backend (its `get_vllm_sampling_params`).
+SKYRL_SAMPLING = {
+    "min_tokens": 1,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": True,
+    "max_tokens": 512,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "logprobs": 0,
+    "stop": None,
+}
 
 
 class CalculatorAgent(SkycapGenerator):
@@ -52,7 +66,7 @@ class CalculatorAgent(SkycapGenerator):
         async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
             for _ in range(4):
                 reply = await client.chat.completions.create(
-                    model="policy", messages=messages, tools=TOOLS, **sampling
+                    model="policy", messages=messages, tools=TOOLS, **openai_sampling(sampling)
                 )
                 message = reply.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
@@ -71,7 +85,7 @@ def generator_input(step: int) -> dict[str, Any]:
         "prompts": [[{"role": "user", "content": p["question"]}] for p in chosen for _ in range(2)],
         "env_classes": ["calculator"] * 2 * REPETITIONS,
         "env_extras": [{"answer": p["answer"]} for p in chosen for _ in range(REPETITIONS)],
-        "sampling_params": {"temperature": 1.0, "max_tokens": 512},
+        "sampling_params": SKYRL_SAMPLING,
         "trajectory_ids": [
             TrajectoryID(p["instance_id"], r) for p in chosen for r in range(REPETITIONS)
         ],

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from skycap.compose import Policy
-from skycap.integrations.skyrl import SkycapCallback, SkycapConfig
+from skycap.integrations.skyrl import SkycapCallback, SkycapConfig, openai_sampling
 
 STEP_WISE = {"step_wise_trajectories": True, "merge_stepwise_output": False}
 
@@ -115,3 +115,48 @@ def test_the_callback_forwards_step_and_eval_ends_and_ignores_the_rest() -> None
     assert recorder.calls == [(3, None, "train"), (3, None, "eval")]
     with pytest.raises(AttributeError):
         callback.missing  # noqa: B018
+
+
+@dataclass
+class GeneratorConfig:
+    step_wise_trajectories: bool = True
+    merge_stepwise_output: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """SkyRL's config is a dataclass; an integration adds its own `skycap` field."""
+
+    generator: GeneratorConfig
+    skycap: dict[str, Any]
+
+
+def test_a_dataclass_config_reads_like_a_mapping() -> None:
+    config = SkycapConfig.from_mapping(TrainConfig(GeneratorConfig(), {"rows": "path"}))
+    assert config.rows == "path"
+    with pytest.raises(ValueError, match="merge_stepwise_output"):
+        SkycapConfig.from_mapping(TrainConfig(GeneratorConfig(True, True), {}))
+
+
+def test_skyrl_sampling_params_become_openai_keywords() -> None:
+    """SkyRL's vLLM-backend params (`get_vllm_sampling_params`): the Chat Completions ones as
+    keywords, vLLM's own in extra_body, decoding and logprobs left to the server."""
+    skyrl = {
+        "min_tokens": 1,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": True,
+        "max_tokens": 512,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.0,
+        "logprobs": 0,
+        "stop": None,
+    }
+    assert openai_sampling(skyrl) == {
+        "max_tokens": 512,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "extra_body": {"min_tokens": 1, "top_k": -1, "min_p": 0.0},
+    }
+    assert openai_sampling(None) == {}

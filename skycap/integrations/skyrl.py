@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from skycap.integrations.skyrl_config import SkycapConfig
-from skycap.integrations.skyrl_generator import SkycapGenerator
+from skycap.integrations.skyrl_generator import SkycapGenerator, openai_sampling
 from skycap.integrations.skyrl_output import SkyRLTrajectoryID, trajectory_id_class
 from skycap.integrations.skyrl_runtime import SkycapCallback, SkycapRuntime
 from skycap.rollout import Rollout
@@ -33,6 +33,7 @@ __all__ = [
     "SkycapConfig",
     "SkycapGenerator",
     "SkycapRuntime",
+    "openai_sampling",
 ]
 
 

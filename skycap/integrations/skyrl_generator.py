@@ -14,9 +14,25 @@ from skycap.index import RecordIndex
 from skycap.integrations.skyrl_output import generator_output, trajectory_id_class
 from skycap.rollout import RolloutResult, RolloutRunner
 
-__all__ = ["SkycapGenerator"]
+__all__ = ["SkycapGenerator", "openai_sampling"]
 
 DEFAULT_POLICY = Policy()
+#: Chat Completions parameters of SkyRL's (vLLM-shaped) sampling params, passed as keywords.
+OPENAI_PARAMS = ("max_tokens", "temperature", "top_p", "stop", "seed", "n")
+#: What the capture server decides for itself: how tokens are decoded and that logprobs come.
+SERVER_PARAMS = ("skip_special_tokens", "include_stop_str_in_output", "logprobs")
+
+
+def openai_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """SkyRL's `sampling_params` (vLLM's names) as openai SDK keywords: the Chat Completions
+    ones as they are, vLLM's others (`top_k`, `min_p`, `min_tokens`, …) in `extra_body`,
+    unset ones and what the capture server decides (decoding, logprobs) left out."""
+    given = {k: v for k, v in (sampling or {}).items() if v is not None}
+    kwargs = {k: given[k] for k in OPENAI_PARAMS if k in given}
+    extra = {k: v for k, v in given.items() if k not in OPENAI_PARAMS and k not in SERVER_PARAMS}
+    if extra:
+        kwargs["extra_body"] = extra
+    return kwargs
 
 
 class SkycapGenerator(RolloutRunner):
