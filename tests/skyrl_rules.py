@@ -1,5 +1,6 @@
 """What SkyRL's trainer asserts on a generator's output, in this project's words, for the SkyRL
-generator tests; and SkyRL's own validator on top where skyrl happens to import.
+generator tests; SkyRL's own validator on top where skyrl happens to import; and the
+`cfg.skycap` block those tests start a local token-mode server from.
 
 Written from skyrl 0.3.0's `validate_generator_output` and `_validate_step_wise_fields`
 (`skyrl/train/utils/trainer_utils.py`) and the layout its step-wise generator writes
@@ -9,6 +10,7 @@ Written from skyrl 0.3.0's `validate_generator_output` and `_validate_step_wise_
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,19 @@ PER_ROW = (
     "trajectory_generation_times",
     "env_metrics",
 )
+
+
+def token_block(engine_url: str, tokenizer: Path, records: Path) -> dict[str, Any]:
+    """A `cfg.skycap` block: one token-mode server in this process (no Ray) on `engine_url`."""
+    return {
+        "servers": 1,
+        "ray": False,
+        "upstream_url": engine_url,
+        "tokenizer": str(tokenizer),
+        "renderer_name": "qwen3",
+        "renderer_pool_size": 1,
+        "record_dir": str(records),
+    }
 
 
 def key(trajectory_id: Any) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from rollout_agents import client_for, episode
-from skyrl_rules import check_output, full_rows, key
+from skyrl_rules import check_output, full_rows, key, token_block
 
 from skycap.index import RecordIndex
 from skycap.integrations.skyrl import (
@@ -80,15 +80,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runtime(engine: ScriptedEngine, qwen3_dir: Path, records: Path) -> Iterator[SkycapRuntime]:
     """A token-mode server started from a `cfg.skycap` block, without Ray."""
-    block = {
-        "servers": 1,
-        "ray": False,
-        "upstream_url": engine.url,
-        "tokenizer": str(qwen3_dir),
-        "renderer_name": "qwen3",
-        "renderer_pool_size": 1,
-        "record_dir": str(records),
-    }
+    block = token_block(engine.url, qwen3_dir, records)
     started = SkycapRuntime.start(SkycapConfig.from_mapping(block))
     yield started
     assert started.stop()

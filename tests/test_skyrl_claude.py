@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from skyrl_rules import check_output, key
+from skyrl_rules import check_output, key, token_block
 
 from skycap.index import RecordIndex
 from skycap.integrations.skyrl import (
@@ -78,15 +78,7 @@ def runtime(
 ) -> Iterator[SkycapRuntime]:
     records = tmp_path_factory.mktemp("skyrl-claude")
     with ScriptedEngine(qwen3_tokenizer, script=smoke.EngineScript(qwen3_tokenizer)) as engine:
-        block = {
-            "servers": 1,
-            "ray": False,
-            "upstream_url": engine.url,
-            "tokenizer": str(qwen3_dir),
-            "renderer_name": "qwen3",
-            "renderer_pool_size": 1,
-            "record_dir": str(records),
-        }
+        block = token_block(engine.url, qwen3_dir, records)
         started = SkycapRuntime.start(SkycapConfig.from_mapping(block))
         try:
             yield started
