@@ -46,7 +46,11 @@ async def call(finish):
     return trajectory.id
 
 
-ids = asyncio.run(asyncio.gather(*(call(finish) for finish in (True, False))))
+async def main():
+    return await asyncio.gather(*(call(finish) for finish in (True, False)))
+
+
+ids = asyncio.run(main())
 pids = [server.pid for server in runtime.servers.servers]
 print(json.dumps({"on_ray": runtime.on_ray, "ids": ids, "pids": pids, "stopped": runtime.stop()}))
 '''
