@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -100,10 +101,17 @@ class SkycapGenerator(RolloutRunner):
         results = await self.generate_entries(
             entries, step, phase, sampling=input_batch.get("sampling_params")
         )
-        batch = compose(results, self.mode, policy=self.policy, record_dir=self.record_dir)
-        output = generator_output(results, batch, ids, self._times(results, step, phase, started))
+        times = self._times(results, step, phase, started)
+        # Composing reads and decodes every record: off the loop, which other batches share.
+        output = await asyncio.to_thread(self._output, results, ids, times)
         self._remember(phase, step, results, ids, output["loss_masks"], output["is_last_step"])
         return output
+
+    def _output(
+        self, results: Sequence[RolloutResult], ids: Sequence[Any], times: Sequence[float]
+    ) -> dict[str, Any]:
+        batch = compose(results, self.mode, policy=self.policy, record_dir=self.record_dir)
+        return generator_output(results, batch, ids, times)
 
     def on_step_end(
         self,
