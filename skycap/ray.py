@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -70,6 +71,23 @@ class ServerInfo:
     node_id: str
     record_dir: str | None
     pid: int
+
+
+def _uv_run_env() -> dict[str, Any] | None:
+    """The actors' runtime environment when the job's runs workers through `uv run`, else None.
+
+    Ray's uv hook (a driver started with `uv run`) runs every worker as `uv run … python` in
+    a copy of the working directory, which holds no virtualenv: with `--no-sync` that is a
+    fresh environment without ray or skycap, and the actors never start (without it, each
+    worker first syncs a new environment there). The capture servers run this driver's own
+    interpreter instead, where skycap is installed (the same path on every node, as on a
+    shared image or filesystem).
+    """
+    executable = str(ray.get_runtime_context().runtime_env.get("py_executable") or "")
+    words = executable.split()
+    if len(words) > 1 and Path(words[0]).name == "uv" and words[1] == "run":
+        return {"py_executable": sys.executable}
+    return None
 
 
 class _CaptureActor:
@@ -135,6 +153,7 @@ class CaptureServers:
         self._cpus = 1.0
         self._replace = True
         self._timeout = 120.0
+        self._runtime_env: dict[str, Any] | None = None
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -150,6 +169,7 @@ class CaptureServers:
         replace: bool = True,
         on_lost: Callable[[LostServer], None] | None = None,
         start_timeout: float = 120.0,
+        runtime_env: dict[str, Any] | None = None,
         **options: Any,
     ) -> CaptureServers:
         """Start the servers and wait until every one listens.
@@ -161,8 +181,10 @@ class CaptureServers:
         node (default `~/skycap-records` there). Every other keyword is a serve option
         (`CaptureService`'s, e.g. `upstream_url`, `mode`, `tokenizer`); `host` defaults to
         the node's address. A dead actor is reported (`.lost`, a warning, `on_lost`) and,
-        with `replace`, started again in its bundle. Connects to Ray (`ray.init()`) if this
-        process has not yet.
+        with `replace`, started again in its bundle. `runtime_env` is the actors' Ray
+        runtime environment (default: the job's, except under `uv run` this driver's
+        interpreter; docs/scaling.md "Drivers started with uv run"). Connects to Ray
+        (`ray.init()`) if this process has not yet.
         """
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
             raise ValueError(f"num_servers must be an integer >= 1, got {num_servers!r}")
@@ -184,11 +206,14 @@ class CaptureServers:
         ServerOptions(**{"record_dir": str(record_dir or default_record_dir()), **options})
         if not ray.is_initialized():
             ray.init()
+        if runtime_env is None:
+            runtime_env = _uv_run_env()
         self = cls()
         self.control_token, self.on_lost = token, on_lost
         self._options, self._cpus, self._replace = options, float(cpus_per_server), replace
         self._record_dir = None if record_dir is None else os.fspath(record_dir)
         self._timeout = start_timeout
+        self._runtime_env = runtime_env
         try:
             self._group = self._placement(placement, num_servers)
             actors = self._actors = [self._new_actor(i) for i in range(num_servers)]
@@ -234,7 +259,9 @@ class CaptureServers:
 
     def _new_actor(self, index: int) -> Any:
         assert self._group is not None
+        extra = {} if self._runtime_env is None else {"runtime_env": self._runtime_env}
         remote = ray.remote(_CaptureActor).options(
+            **extra,
             num_cpus=self._cpus,
             max_concurrency=4,  # `watch` blocks one thread for the actor's life
             max_restarts=0,  # a restart would lose its trajectories silently: we replace

@@ -74,5 +74,7 @@ def token_server_options(scripted_engine: Any, qwen3_renderer: Any) -> Callable[
     return options
 
 
-# The mirror tests' S3 (moto) and its fault proxy: defined here so moto starts once per session.
+# The mirror tests' S3 (moto) and its fault proxy, and the Ray tests' cluster: defined here so
+# moto and Ray start once per session.
 from mirror_fixtures import fault_proxy, s3  # noqa: E402, F401
+from ray_fixtures import ray_cluster  # noqa: E402, F401

@@ -32,6 +32,13 @@ EXPECTED: dict[str, list[str]] = {
         "num_unbridged_calls=0",
         "step rows: 32 (one per model call)",
     ],
+    "skyrl_generator.py": [
+        "step 1: 8 step-wise rows from 4 rollouts, valid",
+        "generate/retried_rollouts=1",
+        "generate/num_unbridged_calls=0",
+        "generate/placeholder_rows=0",
+        "routed experts: ",
+    ],
 }
 
 

@@ -35,6 +35,7 @@ LAYERS = [
         "skycap.index",
         "skycap.ray",
     ),
+    ("skycap.integrations",),
     ("skycap.cli",),
 ]
 
@@ -117,6 +118,12 @@ INNER_LAYERS = [
         ("skycap.tokens.streaming", "skycap.tokens.relay"),
         ("skycap.tokens.turn",),
         ("skycap.tokens.backend",),
+    ],
+    [  # the SkyRL generator: the facade re-exports the generator, its config and runtime
+        ("skycap.integrations.skyrl_output", "skycap.integrations.skyrl_config"),
+        ("skycap.integrations.skyrl_generator",),
+        ("skycap.integrations.skyrl_runtime",),
+        ("skycap.integrations.skyrl",),
     ],
     [
         ("skycap.dashboard.layout", "skycap.dashboard.poll"),
@@ -202,6 +209,8 @@ def test_client_side_and_records_never_load_mitmproxy() -> None:
     code = (
         "import sys, skycap, skycap.client, skycap.loader, skycap.samples\n"
         "import skycap.dashboard.frames, skycap.rollout, skycap.compose, skycap.index\n"
+        "import skycap.integrations.skyrl\n"
+        "assert 'torch' not in sys.modules and 'skyrl' not in sys.modules\n"
         "from skycap import CapturePool, Sample, load\n"
         "assert 'mitmproxy' not in sys.modules, sorted(m for m in sys.modules if 'mitm' in m)"
     )

@@ -196,10 +196,7 @@ class RolloutRunner:
         prompts = list(prompts)
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        if not isinstance(phase, str) or not phase:
-            raise ValueError(f"phase must be a non-empty string such as 'train', got {phase!r}")
+        _check_step(step, phase)
         params = dict(sampling or {})
         jobs = []
         seen: dict[str, int] = {}
@@ -214,6 +211,42 @@ class RolloutRunner:
             task = _task(prompt) or self.task
             for repetition in range(repeats):
                 jobs.append(_Job(index, prompt, instance_id, task, repetition, step, phase, params))
+        return await self._run(jobs, step, phase)
+
+    async def generate_entries(
+        self,
+        entries: Iterable[tuple[Any, str, int]],
+        step: int = 0,
+        phase: str = "train",
+        *,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> list[RolloutResult]:
+        """One rollout per `(prompt, instance_id, repetition_id)`, in the order given, for a
+        trainer that expanded repetitions itself (SkyRL does); `prompt_index` is the entry's
+        position. The loop, its retries and `record_log` are those of `generate`.
+        """
+        _check_step(step, phase)
+        params = dict(sampling or {})
+        jobs = []
+        seen: dict[tuple[str, int], int] = {}
+        for index, (prompt, instance_id, repetition) in enumerate(entries):
+            if isinstance(repetition, bool) or not isinstance(repetition, int) or repetition < 0:
+                raise ValueError(
+                    f"entry {index}: repetition_id must be an integer >= 0, got {repetition!r}"
+                )
+            key = (str(instance_id), repetition)
+            if key in seen:
+                raise ValueError(
+                    f"entries {seen[key]} and {index} are both instance {key[0]!r} repetition "
+                    f"{repetition}; give each rollout its own repetition_id"
+                )
+            seen[key] = index
+            task = _task(prompt) or self.task
+            jobs.append(_Job(index, prompt, key[0], task, repetition, step, phase, params))
+        return await self._run(jobs, step, phase)
+
+    async def _run(self, jobs: list[_Job], step: int, phase: str) -> list[RolloutResult]:
+        """Run the jobs under the concurrency limit; a batch cut short is marked dropped."""
         slots = asyncio.Semaphore(self.concurrency)
         opened: list[AttemptRecord] = []
         try:
@@ -388,6 +421,13 @@ class RolloutRunner:
                 "token mode with sampling_mask=True is needed"
             )
         return None
+
+
+def _check_step(step: Any, phase: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if not isinstance(phase, str) or not phase:
+        raise ValueError(f"phase must be a non-empty string such as 'train', got {phase!r}")
 
 
 def _stand_in(stop_reason: str, error: str) -> Rollout:
