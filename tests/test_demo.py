@@ -9,23 +9,32 @@ from pathlib import Path
 
 import pytest
 
+from skycap.viewer.index import Index
 
-@pytest.mark.parametrize("mode", ["tokens", "text"])
-def test_demo_captures_live_rollouts(mode: str, tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "skycap.cli.main", "demo", "--mode", mode],
-        cwd=tmp_path,
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "skycap.cli.main", "demo", *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+def test_demo_captures_live_rollouts(mode: str, tmp_path: Path) -> None:
+    run = demo(tmp_path, "--mode", mode)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Traceback" not in run.stderr
     assert f"({mode} mode)" in run.stdout
-    records = sorted((tmp_path / "records").glob("tr_*.json.zst"))
+    (folder,) = (tmp_path / "records").glob("demo-*")  # a run folder of its own
+    records = sorted(folder.glob("tr_*.json.zst"))
     assert len(records) == 5
     check = subprocess.run(
-        [sys.executable, "-m", "skycap.cli.main", "check", str(tmp_path / "records")],
+        [sys.executable, "-m", "skycap.cli.main", "check", str(folder)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -36,7 +45,7 @@ def test_demo_captures_live_rollouts(mode: str, tmp_path: Path) -> None:
         "3 of 5 trajectories linear; forks: 1 resample, 1 different message"
     )
     summary = subprocess.run(
-        [sys.executable, "-m", "skycap.cli.main", "summary", "--json", str(tmp_path / "records")],
+        [sys.executable, "-m", "skycap.cli.main", "summary", "--json", str(folder)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -46,3 +55,22 @@ def test_demo_captures_live_rollouts(mode: str, tmp_path: Path) -> None:
     assert stats["modes"] == {mode: 5}
     if mode == "tokens":
         assert stats["tokens"] > 0 and stats["bridged"]["true"] > 0
+
+
+def test_runs_do_not_mix(tmp_path: Path) -> None:
+    """The demo twice and an example under one ./records: three runs, apart, in the viewer."""
+    for _ in range(2):
+        assert demo(tmp_path, "--mode", "text").returncode == 0
+    example = subprocess.run(
+        [sys.executable, str(EXAMPLES / "capture_text.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert example.returncode == 0, example.stderr
+    runs = {run["name"]: run for run in Index([tmp_path / "records"]).listing()}
+    demos = sorted(name for name in runs if name.startswith("demo-"))
+    examples = [name for name in runs if name.startswith("capture_text-")]
+    assert len(runs) == 3 and len(demos) == 2 and len(examples) == 1, list(runs)
+    assert [runs[name]["trajectories"] for name in [*demos, *examples]] == [5, 5, 1]

@@ -114,6 +114,9 @@ def test_64_concurrent_trajectories_then_sigterm(
     assert len(set(ids)) == TRAJECTORIES
     code, stderr = serve.terminate()
     assert code == 0 and "Traceback" not in stderr
+    # Ctrl-C or SIGTERM says what it did with the trajectories no finish had ended.
+    half = TRAJECTORIES // 2
+    assert f"skycap serve: stopped; wrote {half} open trajectories (status open) to " in stderr
     assert all(r.header("authorization") == "Bearer sk-upstream-test" for r in upstream.requests)
     for index, trajectory_id in enumerate(ids):
         document = read_document(tmp_path / f"{trajectory_id}.json.zst")
@@ -145,6 +148,10 @@ def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
     finally:
         code, rest = serve.terminate()
     assert code == 0 and "WARNING" not in rest
+    assert rest.splitlines()[-1] == (
+        f"skycap serve: stopped; wrote 1 open trajectory (status open) to {records}: "
+        f"{created['id']}"
+    )
     assert read_document(records / f"{created['id']}.json.zst")["status"] == "open"
 
     memory = ServeProcess("--upstream-url", upstream.base_url, "--no-record-dir", cwd=tmp_path)
@@ -153,7 +160,8 @@ def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
         warning = memory.process.stderr.readline()
         assert "WARNING" in warning and "lost when the server stops" in warning
     finally:
-        code, _ = memory.terminate()
+        code, rest = memory.terminate()
+    assert rest.splitlines()[-1] == "skycap serve: stopped; no trajectory was open"
     assert code == 0 and len(list(records.glob("*.json.zst"))) == 1  # none from memory
 
     both = subprocess.run(

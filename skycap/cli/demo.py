@@ -6,7 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
-HELP = "run a live capture of scripted agent rollouts (no network, no GPU) into ./records"
+HELP = (
+    "run a live capture of scripted agent rollouts (no network, no GPU) into a new run "
+    "folder under ./records"
+)
 
 EPILOG = """\
 The demo drives the same capture a trainer uses. To capture a real engine instead, run
@@ -19,8 +22,9 @@ returns:
   skycap serve --mode text --upstream-url http://engine:8000/v1 --record-dir ./records
 
 or embed it in a trainer: CaptureService("http://engine:8000", mode="tokens",
-tokenizer="Qwen/Qwen3-8B", record_dir="./records").start(). Then inspect the records
-with `skycap check ./records`, `skycap summary ./records` and `skycap view ./records`.
+tokenizer="Qwen/Qwen3-8B", record_dir="./records").start(). Each demo run writes its own
+folder under ./records; `skycap view ./records` lists every run there, and
+`skycap check`/`skycap summary` read one run's folder (the demo prints its name).
 """
 
 
@@ -38,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--record-dir",
         type=Path,
         default=Path("records"),
-        help="where records are written (default ./records)",
+        help="the folder under which each demo run writes a new folder demo-<date>-<time> "
+        "(default ./records)",
     )
 
 
@@ -55,10 +60,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("skycap demo drives harnesses with the `openai` package: `pip install openai`")
         return 2
-    record_dir = args.record_dir.resolve()
+    from skycap.record.layout import new_run_dir
+
+    root = args.record_dir.resolve()
     try:
-        record_dir.mkdir(parents=True, exist_ok=True)
+        record_dir = new_run_dir(root, "demo")
     except OSError as exc:
-        print(f"skycap demo: error: cannot create --record-dir {record_dir}: {exc.strerror}")
+        print(
+            f"skycap demo: error: cannot create a run folder in --record-dir {root}: {exc.strerror}"
+        )
         return 2
     return run_demo(args.mode, record_dir, Console())

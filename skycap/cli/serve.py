@@ -138,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
     lost = addon.store.lost if addon.store is not None else []
+    if addon.store is not None:
+        print(shutdown_line(addon.store.open_at_shutdown, lost, options), file=sys.stderr)
     if lost:
         print(
             f"skycap serve: error: {len(lost)} records could not be written to "
@@ -189,4 +191,21 @@ def records_line(options: Any) -> str:
     return (
         f"records: {options.record_dir}; a trajectory idle for {options.ttl:g} s is ended "
         "as abandoned and written (--ttl)"
+    )
+
+
+def shutdown_line(still_open: list[str], lost: list[str], options: Any) -> str:
+    """What a stop did with the trajectories no finish had ended, so none go unnoticed."""
+    written = [i for i in still_open if i not in lost]
+    if not still_open:
+        return "skycap serve: stopped; no trajectory was open"
+    if options.record_dir is None:
+        return (
+            f"skycap serve: stopped; {len(still_open)} open trajectories dropped "
+            "(--no-record-dir writes nothing)"
+        )
+    shown = ", ".join(written[:5]) + (", ..." if len(written) > 5 else "")
+    count = f"{len(written)} open {'trajectory' if len(written) == 1 else 'trajectories'}"
+    return f"skycap serve: stopped; wrote {count} (status open) to {options.record_dir}" + (
+        f": {shown}" if written else ""
     )

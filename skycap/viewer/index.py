@@ -385,10 +385,12 @@ def subdirectories(path: Path) -> list[Path]:
 
 
 def record_directories(root: Path) -> list[Path]:
-    """`root` itself if it holds records, else its children or grandchildren that do."""
-    if holds_records(root):
-        return [root]
-    found = []
+    """`root` itself if it holds records, and its children or grandchildren that do.
+
+    A root can hold both: `skycap serve` writes into the folder it is given (./records by
+    default) while the demo and the examples each make a run folder inside it.
+    """
+    found = [root] if holds_records(root) else []
     for child in subdirectories(root):
         if holds_records(child):
             found.append(child)
