@@ -107,17 +107,26 @@ def run(args: argparse.Namespace) -> int:
                 "" if options.require_api_key else " without a trajectory key (--require-api-key)",
             )
 
-    from skycap.server.addon import SkycapAddon
-    from skycap.server.runner import serve, settle_garbage_collector
-
     if options.mode == "tokens" and options.tokenizer is not None:
-        # A hub name may download (or, offline, retry for minutes): say what is happening.
+        from skycap.tokens.tokenizer_env import TokenizerUnavailable, tokenizer_source
+
+        # A hub name may download: say what is happening. An unreachable hub is refused
+        # here, before the server's imports, so the answer comes in seconds.
         print(
             f"skycap: loading tokenizer {options.tokenizer} (a hub name downloads unless it is "
             "cached; HF_HUB_OFFLINE=1 uses the cache only)",
             file=sys.stderr,
             flush=True,
         )
+        try:
+            tokenizer_source(options.tokenizer)
+        except TokenizerUnavailable as exc:
+            print(f"skycap serve: error: {exc}", file=sys.stderr)
+            return 1
+
+    from skycap.server.addon import SkycapAddon
+    from skycap.server.runner import serve, settle_garbage_collector
+
     try:
         addon = SkycapAddon(options)  # token mode loads its tokenizer here
     except Exception as exc:  # a bad tokenizer or engine setting: say so, no traceback
