@@ -42,8 +42,9 @@ def test_demo_captures_live_rollouts(mode: str, tmp_path: Path) -> None:
     # One compaction and one resample fork; the other rollouts are linear.
     assert check.returncode == 1, check.stdout + check.stderr
     assert check.stdout.splitlines()[-1] == (
-        "3 of 5 trajectories linear; forks: 1 resample, 1 different message"
+        "3 of 5 trajectories linear; forks: 1 resample, 1 compaction"
     )
+    assert "compaction: a user message in place of the" in check.stdout
     summary = subprocess.run(
         [sys.executable, "-m", "skycap.cli.main", "summary", "--json", str(folder)],
         capture_output=True,

@@ -245,7 +245,13 @@ def test_an_expected_unbridged_call_says_why(server: ViewerServer, page):
     assert "lvl-info" in chip.get_attribute("class")
     page.click('.tabs .tab[data-tab="tree"]')
     page.wait_for_selector(".tree")
-    assert "unbridged (resample)" in page.inner_text(".tree")
+    # Expected, not a fault: a grey note, and a grey `false · resample` in the node's calls.
+    note = page.locator(".tree .sign.expected")
+    assert note.all_inner_texts() == ["re-rendered as expected: resample"]
+    assert page.locator(".tree .sign:not(.expected)").count() == 0
+    page.click(".tree-node:has(.sign.expected)")
+    assert page.locator(".tree .bridged.b-expected").inner_text() == "false · resample"
+    assert page.locator(".tree .bridged.b-false").count() == 0
     page.goto(f"{server.url}?run=mixed&view=rollouts&open={MIXED['unbridged']}")
     page.wait_for_selector("#drawer:not([hidden]) .dr-flags")
     unexplained = page.locator('.dr-flags .flag:text-is("unbridged")')
