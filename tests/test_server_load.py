@@ -22,6 +22,7 @@ from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.record.reader import read_document
 
+ROOT = Path(__file__).resolve().parent.parent
 TRAJECTORIES = 64
 TURNS = 10
 URL_LINE = re.compile(r"listening on (http://\S+)")
@@ -143,6 +144,11 @@ def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
             f"records: {records}; a trajectory idle for 90 s is ended as abandoned and "
             "written (--ttl)"
         )
+        # docs/serving.md "The control token" shows the start lines in the order printed.
+        started = [serve.first_line, "control token", where]
+        documented = (ROOT / "docs" / "serving.md").read_text().split("```text\n")[1]
+        firsts = [line.split(" ")[:1] for line in documented.splitlines()[:3]]
+        assert firsts == [line.split(" ")[:1] for line in started]
         headers = {"Authorization": f"Bearer {serve.token}"}
         created = httpx.post(f"{serve.url}/trajectories", json={}, headers=headers).json()
     finally:

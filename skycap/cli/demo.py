@@ -14,17 +14,18 @@ HELP = (
 EPILOG = """\
 The demo drives the same capture a trainer uses. To capture a real engine instead, run
 a server and point your harness at the per-trajectory base_url that POST /trajectories
-returns:
+returns (docs/walkthrough.md does it step by step):
 
-  skycap serve --mode tokens --upstream-url http://engine:8000 \\
-      --tokenizer Qwen/Qwen3-8B --max-model-len 32768 --record-dir ./records
+  uv run skycap serve --mode tokens --upstream-url http://engine:8000 \\
+      --tokenizer Qwen/Qwen3-8B --max-model-len 32768 --record-dir ./records/my-run
 
-  skycap serve --mode text --upstream-url http://engine:8000/v1 --record-dir ./records
+  uv run skycap serve --mode text --upstream-url http://engine:8000/v1 \\
+      --record-dir ./records/my-run
 
 or embed it in a trainer: CaptureService("http://engine:8000", mode="tokens",
-tokenizer="Qwen/Qwen3-8B", record_dir="./records").start(). Each demo run writes its own
-folder under ./records; `skycap view ./records` lists every run there, and
-`skycap check`/`skycap summary` read one run's folder (the demo prints its name).
+tokenizer="Qwen/Qwen3-8B", record_dir="./records/my-run").start(). Each demo run writes
+its own folder under ./records; `uv run skycap view records` lists every run there, and
+`uv run skycap check`/`summary` read one run's folder (the demo prints its name).
 """
 
 
