@@ -363,3 +363,15 @@ def test_a_re_render_a_compaction_explains_is_a_note_not_a_sign(tmp_path: Path):
     assert [c["rerender"] for c in node["calls"]] == ["compaction"]
     calls = viewer.calls("run", tid(1))["calls"]
     assert [c["rerender"] for c in calls if c["node"] == after] == ["compaction"]
+
+
+def test_ungrouped_rollouts_flags_count_in_the_groups_band(client):
+    """A run's rollouts without step/instance_id are no group, but what went wrong in them
+    shows in the Groups view's band, and the answer says how many are not shown."""
+    groups = get(client, "/api/v1/runs/mixed/groups")
+    rollouts = get(client, "/api/v1/runs/mixed/trajectories")
+    assert groups["total"] == 0 and groups["ungrouped"] == rollouts["total"]
+    band = {h["flag"]: h["count"] for h in groups["health"]}
+    assert band["incomplete"] == 1 and band["failed-calls"] == 1
+    assert groups["ungrouped_health"] == groups["health"]
+    assert "bridged-unknown" not in band  # quiet flags stay out, as on rollout rows
