@@ -70,31 +70,41 @@ PROBE_KEPT = 30.0
 
 
 def _hub_unreachable(endpoint: str) -> str | None:
-    """Why the hub did not answer within HUB_PROBE_TIMEOUT, or None when it answered."""
-    import httpx
+    """Why the hub did not answer within HUB_PROBE_TIMEOUT, or None when it answered.
+
+    The standard library asks (it honours HTTPS_PROXY as the hub client does), so a
+    refusal comes before any heavy import: `skycap serve` says it within seconds.
+    """
+    import urllib.error
+    import urllib.request
 
     asked = _probes.get(endpoint)
     if asked is not None and time.monotonic() - asked[0] < PROBE_KEPT:
         return asked[1]
+    reason = None
     try:
-        httpx.head(endpoint, timeout=HUB_PROBE_TIMEOUT)
-        reason = None
-    except httpx.HTTPError as exc:
-        reason = f"{type(exc).__name__}: {exc or 'no detail'}"
+        urllib.request.urlopen(
+            urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_TIMEOUT
+        ).close()
+    except urllib.error.HTTPError:
+        pass  # an HTTP answer of any status: the hub is there
+    except (OSError, ValueError) as exc:  # URLError, timeouts, a malformed HF_ENDPOINT
+        reason = f"{type(exc).__name__}: {getattr(exc, 'reason', None) or exc}"
     _probes[endpoint] = (time.monotonic(), reason)
     return reason
 
 
 def _cached_snapshot(name: str, cache_dir: str) -> Path | None:
-    """The cached snapshot folder of hub repo `name` that holds a tokenizer, if any."""
-    from huggingface_hub import snapshot_download
-
+    """The cached snapshot of hub repo `name` (its `main` revision) that holds a tokenizer,
+    read from the cache's layout (`models--Org--Name/refs/main`, `snapshots/<rev>/`)."""
+    repo = Path(cache_dir) / f"models--{name.replace('/', '--')}"
     try:
-        folder = Path(snapshot_download(name, cache_dir=cache_dir, local_files_only=True))
-    except Exception:  # not cached, or not a repo id: the caller reports what was tried
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
         return None
+    folder = repo / "snapshots" / revision
     has_tokenizer = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return folder if has_tokenizer else None
+    return folder if revision and has_tokenizer else None
 
 
 def bundled_qwen3_dir() -> Path | None:
