@@ -9,7 +9,8 @@ separate process that builds `openai.OpenAI()` with no base URL at all.
 Here the upstream is a scripted local server; in practice pass your model server's URL,
 or leave it out in text mode so each call goes to the host the harness called.
 
-Run it with `uv run python examples/capture_proxy.py`; records go to ./records.
+Run it with `uv run python examples/capture_proxy.py`; records go to a
+new run folder under ./records.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skycap import CapturePool, CaptureService
+from skycap import CapturePool, CaptureService, new_run_dir
 from skycap.demo import text_mode_script
 from skycap.mock.upstream import ScriptedUpstream
 
 HARNESS = """
 import json, openai
-from harness import run_harness
+from helpers.harness import run_harness
 client = openai.OpenAI(api_key="sk-the-harness-own-key", max_retries=0)  # no base_url
 answer = run_harness(client, "Investigate the notes.")
 print(json.dumps({"answer": answer, "host": str(client.base_url)}))
@@ -56,11 +57,15 @@ async def main(url: str) -> None:
 
 
 if __name__ == "__main__":
+    record_dir = new_run_dir("records", "capture_proxy")
     with ScriptedUpstream(text_mode_script) as upstream:
-        service = CaptureService(upstream.base_url, mode="text", proxy_port=0, record_dir="records")
+        service = CaptureService(
+            upstream.base_url, mode="text", proxy_port=0, record_dir=str(record_dir)
+        )
         url = service.start()
         print(f"HTTPS_PROXY listener at {service.proxy_url}")
         try:
             asyncio.run(main(url))
         finally:
             service.stop()
+    print(f"inspect them: uv run skycap check {record_dir}; uv run skycap view records")

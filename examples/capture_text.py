@@ -6,7 +6,8 @@ server stands in for it; with a real one, pass its base URL including `/v1`:
 
     CaptureService("http://engine:8000/v1", record_dir="records")
 
-Run it with `uv run python examples/capture_text.py`; records go to ./records.
+Run it with `uv run python examples/capture_text.py`; records go to a
+new run folder under ./records.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 import asyncio
 
 import openai
-from harness import run_harness, score
+from helpers.harness import run_harness, score
 
-from skycap import CapturePool, CaptureService
+from skycap import CapturePool, CaptureService, new_run_dir
 from skycap.demo import text_mode_script
 from skycap.mock.upstream import ScriptedUpstream
 
@@ -34,10 +35,12 @@ async def main(url: str) -> None:
 
 
 if __name__ == "__main__":
+    record_dir = new_run_dir("records", "capture_text")
     with ScriptedUpstream(text_mode_script) as upstream:
-        service = CaptureService(upstream.base_url, mode="text", record_dir="records")
+        service = CaptureService(upstream.base_url, mode="text", record_dir=str(record_dir))
         url = service.start()
         try:
             asyncio.run(main(url))
         finally:
             service.stop()
+    print(f"inspect them: uv run skycap check {record_dir}; uv run skycap view records")

@@ -7,7 +7,7 @@ real engine, pass its root URL and your model's tokenizer instead:
     CaptureService("http://engine:8000", mode="tokens", tokenizer="Qwen/Qwen3-8B", ...)
 
 Run it from the repository with `uv run python examples/capture_tokens.py`; records go to
-./records.
+a new run folder under ./records.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import asyncio
 import os
 
 import openai
-from harness import run_harness, score
+from helpers.harness import run_harness, score
 
-from skycap import CapturePool, CaptureService
+from skycap import CapturePool, CaptureService, new_run_dir
 from skycap.mock.engine import ScriptedEngine
 from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 
@@ -47,6 +47,7 @@ async def main(url: str) -> None:
 if __name__ == "__main__":
     tokenizer = bundled_qwen3_dir()
     assert tokenizer is not None, "install the dev dependencies: uv sync"
+    record_dir = new_run_dir("records", "capture_tokens")
     with ScriptedEngine(str(tokenizer)) as engine:
         service = CaptureService(
             engine.url,
@@ -54,11 +55,11 @@ if __name__ == "__main__":
             tokenizer=str(tokenizer),
             renderer_name="qwen3",
             renderer_pool_size=2,
-            record_dir="records",
+            record_dir=str(record_dir),
         )
         url = service.start()
         try:
             asyncio.run(main(url))
         finally:
             service.stop()  # writes every trajectory still in memory
-    print("inspect them: skycap check records; skycap summary records; skycap view records")
+    print(f"inspect them: uv run skycap check {record_dir}; uv run skycap view records")

@@ -5,7 +5,7 @@ mode and composed into GRPO batches (groups by prompt, rewards per group).
 
 litellm reaches skycap as an OpenAI-compatible server (`model="openai/<name>"` with the
 trajectory's `base_url` as `api_base`). The task and the scripted engine are in
-calculator_task.py; records land in ./records.
+helpers/calculator_task.py; records land in a new run folder under ./records.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download
 
 import litellm  # noqa: E402
-from calculator_task import (  # noqa: E402
+from helpers.calculator_task import (  # noqa: E402
     PROMPTS,
     SAMPLING,
     SYSTEM,
@@ -30,7 +29,7 @@ from calculator_task import (  # noqa: E402
     scripted_capture,
 )
 
-from skycap import CapturePool, CaptureService  # noqa: E402
+from skycap import CapturePool, CaptureService, new_run_dir  # noqa: E402
 from skycap.compose import Policy, compose  # noqa: E402
 from skycap.rollout import Rollout, RolloutRunner  # noqa: E402
 
@@ -94,8 +93,10 @@ async def train(service: CaptureService) -> None:
 
 
 def main() -> None:
-    with scripted_capture(Path("records")) as service:
+    record_dir = new_run_dir("records", "grpo_litellm")
+    with scripted_capture(record_dir) as service:
         asyncio.run(train(service))
+    print(f"inspect them: uv run skycap check {record_dir}; uv run skycap view records")
 
 
 if __name__ == "__main__":

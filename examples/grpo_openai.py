@@ -3,18 +3,18 @@ and composed into GRPO batches (groups by prompt, rewards per group) for two tra
 
     uv run python examples/grpo_openai.py
 
-Runs against a scripted engine (see calculator_task.py), so it needs no GPU; the records
-land in ./records (`uv run skycap view ./records` shows the groups and the retried rollout).
+Runs against a scripted engine (see helpers/calculator_task.py), so it needs no GPU; the
+records land in a new run folder under ./records (`uv run skycap view records` shows the
+groups and the retried rollout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
-from calculator_task import (
+from helpers.calculator_task import (
     PROMPTS,
     SAMPLING,
     SYSTEM,
@@ -26,7 +26,7 @@ from calculator_task import (
 )
 from openai import AsyncOpenAI
 
-from skycap import CapturePool, CaptureService
+from skycap import CapturePool, CaptureService, new_run_dir
 from skycap.compose import Policy, compose
 from skycap.rollout import Rollout, RolloutRunner
 
@@ -90,8 +90,10 @@ async def train(service: CaptureService) -> None:
 
 
 def main() -> None:
-    with scripted_capture(Path("records")) as service:
+    record_dir = new_run_dir("records", "grpo_openai")
+    with scripted_capture(record_dir) as service:
         asyncio.run(train(service))
+    print(f"inspect them: uv run skycap check {record_dir}; uv run skycap view records")
 
 
 if __name__ == "__main__":

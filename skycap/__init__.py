@@ -20,6 +20,7 @@ _PUBLIC = {
     "CaptureService": "skycap.service",
     "RecordsLost": "skycap.service",
     "load": "skycap.loader",
+    "new_run_dir": "skycap.record.layout",
 }
 
 __all__ = sorted(_PUBLIC)

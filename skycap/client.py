@@ -216,6 +216,12 @@ def _encode(what: str, value: Any) -> bytes:
         raise ValueError(f"{what} must be JSON-serialisable (no NaN/inf): {exc}") from exc
 
 
+#: The key a trajectory's harness sends when its server issued none: servers from before
+#: trajectory keys answer create without `api_key` and accept any key, while the SDKs
+#: refuse to start without one.
+KEYLESS_API_KEY = "sk-skycap-keyless"
+
+
 @dataclass(eq=False)
 class Trajectory:
     """Handle on one trajectory; it lives on one server, with no failover after create."""
@@ -463,7 +469,7 @@ class CapturePool:
                 server=server,
                 id=_field(reply, "id", str),
                 base_url=_field(reply, "base_url", str),
-                api_key=_field(reply, "api_key", str),
+                api_key=_field(reply, "api_key", str, optional=True) or KEYLESS_API_KEY,
                 exposed_base_url=_field(reply, "exposed_base_url", str, optional=True),
                 anthropic_base_url=_field(reply, "anthropic_base_url", str, optional=True),
                 proxy_url=_field(reply, "proxy_url", str, optional=True),

@@ -340,4 +340,7 @@ def report(
     console.print(f"[bold]skycap check[/] {record_dir}:")
     lines = [line for a in analyses for line in a.lines()] + [summary_line(analyses, 0)]
     console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+    root = record_dir.parent
+    shown = root.relative_to(Path.cwd()) if root.is_relative_to(Path.cwd()) else root
+    console.print(f"browse every run: uv run skycap view {shown}", markup=False, highlight=False)
     return 0 if all(r.status == "finished" for r in reports) else 1

@@ -5,15 +5,15 @@
     index.log_step(step, "train", trained_ids, runner.record_log)
     index.close()
 
-`log_step` builds the step's `step.json` (docs/index.md "step.json": one row per attempt the rollout
-loop opened, `trained` as the trainer says) on the caller's thread, so a bug in it raises
-there, and writes it to `<record dir>/index/<phase>/step-<N>.json`. Everything that talks
+`log_step` builds the step's `step.json` (docs/run-index.md "step.json": one row per attempt
+the rollout loop opened, `trained` as the trainer says) on the caller's thread, so a bug in
+it raises there, and writes it to `<record dir>/index/<phase>/step-<N>.json`. Everything that talks
 to remote services runs on background workers that fail open: one for W&B (one artifact
 version of `skycap-records-<phase>-<run id>` per step, aliased `<phase>-step-<N>` and
 `latest`, holding `step.json` and one reference entry per file of each mirrored record,
 so no record bytes are uploaded) and one that writes the same `step.json` to the mirror's
 `index/`. Client side only: it never imports mitmproxy; wandb is the `wandb` extra.
-See docs/index.md.
+See docs/run-index.md.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def artifact_name(phase: str, run_id: str) -> str:
 
 def step_path(phase: str, step: int) -> str:
     """Where a step's index lives inside a record directory or a mirror
-    (docs/index.md "step.json")."""
+    (docs/run-index.md "step.json")."""
     return f"index/{phase}/step-{step}.json"
 
 

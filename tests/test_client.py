@@ -19,6 +19,7 @@ import pytest
 import skycap.client as client_module
 from skycap.arrays import PackedArrayError, pack
 from skycap.client import (
+    KEYLESS_API_KEY,
     CaptureError,
     CapturePool,
     FinishResult,
@@ -237,6 +238,17 @@ async def test_error_body_is_cut_at_2000_characters(server: FakeServer) -> None:
             await traj.finish({"reward": 1})
     assert info.value.status == 409 and not isinstance(info.value, PathRuleError)
     assert str(info.value).endswith(": HTTP 409: " + "x" * 2000)
+
+
+async def test_a_create_answer_without_api_key_is_accepted(server: FakeServer) -> None:
+    """Servers from before trajectory keys answer create without `api_key` and take any key."""
+    tid = "tr_00000000000000aa"
+    server.override("create", (200, {"id": tid, "base_url": f"{server.url}/t/{tid}/v1"}))
+    async with CapturePool([server.url]) as pool:
+        async with pool.trajectory({"task": "t1"}) as trajectory:
+            assert trajectory.api_key == KEYLESS_API_KEY
+            result = await trajectory.finish({"reward": 1.0})
+    assert result.status == "finished"
 
 
 async def test_path_rule_error(server: FakeServer) -> None:

@@ -169,6 +169,8 @@ def commands(text: str) -> list[list[str]]:
             words = words[1:]  # VAR=value prefixes
         if words[:2] == ["uv", "run"]:
             words = words[2:]
+        if words[-1:] == ["&"]:  # started in the background
+            words = words[:-1]
         if words:
             found.append(words)
     return found

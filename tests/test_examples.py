@@ -42,15 +42,20 @@ EXPECTED: dict[str, list[str]] = {
 }
 
 
-def runnable() -> list[str]:
-    """The example scripts (helper modules have no `__main__` block)."""
-    return sorted(
-        p.name for p in EXAMPLES.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
-    )
+def test_every_example_script_is_run_here_and_helpers_are_apart() -> None:
+    """A script at the top of examples/ runs and prints; helper modules sit in helpers/."""
+    scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert scripts == sorted([*EXPECTED, *CAPTURE])
+    for name in scripts:
+        assert 'if __name__ == "__main__":' in (EXAMPLES / name).read_text(), name
+    for helper in (EXAMPLES / "helpers").glob("*.py"):
+        assert 'if __name__ == "__main__":' not in helper.read_text(), helper.name
 
 
-def test_every_example_script_is_run_here() -> None:
-    assert runnable() == sorted([*EXPECTED, *CAPTURE])
+def run_folder(cwd: Path, script: str) -> Path:
+    """The one new run folder the script made under ./records, named after it."""
+    (folder,) = (cwd / "records").glob(f"{script.removesuffix('.py')}-*")
+    return folder
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -69,7 +74,7 @@ def test_the_example_runs_and_prints_what_it_promises(name: str, tmp_path: Path)
     missing = [line for line in EXPECTED[name] if line not in done.stdout]
     assert not missing, f"{name} did not print {missing}:\n{done.stdout}"
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
-    assert any((tmp_path / "records").glob("tr_*.json.zst"))  # its records, in its folder
+    assert any(run_folder(tmp_path, name).glob("tr_*.json.zst"))  # its records, in its run
 
 
 #: The capture examples -> a pattern their output must match.
@@ -85,11 +90,11 @@ def test_a_capture_example_leaves_records_check_reads(script: str, tmp_path: Pat
     """Copied out of the repository, the capture examples print what they promise and leave
     finished records that `skycap check` reads as linear."""
     expected = CAPTURE[script]
-    folder = tmp_path / "examples"
-    shutil.copytree(EXAMPLES, folder)
+    copied = tmp_path / "examples"
+    shutil.copytree(EXAMPLES, copied)
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}  # the proxy's CA
     run = subprocess.run(
-        [sys.executable, str(folder / script)],
+        [sys.executable, str(copied / script)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -100,10 +105,12 @@ def test_a_capture_example_leaves_records_check_reads(script: str, tmp_path: Pat
     assert re.search(expected, run.stdout), run.stdout
     assert "Traceback" not in run.stderr and "PyTorch" not in run.stderr
     finished = re.findall(r"(tr_[0-9a-f]{16}): finished", run.stdout)
-    records = sorted(p.name for p in (tmp_path / "records").glob("*.json.zst"))
+    folder = run_folder(tmp_path, script)
+    records = sorted(p.name for p in folder.glob("*.json.zst"))
     assert finished and records == sorted(f"{i}.json.zst" for i in finished)
+    assert f"inspect them: uv run skycap check records/{folder.name};" in run.stdout
     check = subprocess.run(
-        [sys.executable, "-m", "skycap.cli.main", "check", "records"],
+        [sys.executable, "-m", "skycap.cli.main", "check", str(folder)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

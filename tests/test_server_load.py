@@ -22,6 +22,7 @@ from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.record.reader import read_document
 
+ROOT = Path(__file__).resolve().parent.parent
 TRAJECTORIES = 64
 TURNS = 10
 URL_LINE = re.compile(r"listening on (http://\S+)")
@@ -114,6 +115,9 @@ def test_64_concurrent_trajectories_then_sigterm(
     assert len(set(ids)) == TRAJECTORIES
     code, stderr = serve.terminate()
     assert code == 0 and "Traceback" not in stderr
+    # Ctrl-C or SIGTERM says what it did with the trajectories no finish had ended.
+    half = TRAJECTORIES // 2
+    assert f"skycap serve: stopped; wrote {half} open trajectories (status open) to " in stderr
     assert all(r.header("authorization") == "Bearer sk-upstream-test" for r in upstream.requests)
     for index, trajectory_id in enumerate(ids):
         document = read_document(tmp_path / f"{trajectory_id}.json.zst")
@@ -140,11 +144,20 @@ def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
             f"records: {records}; a trajectory idle for 90 s is ended as abandoned and "
             "written (--ttl)"
         )
+        # docs/serving.md "The control token" shows the start lines in the order printed.
+        started = [serve.first_line, "control token", where]
+        documented = (ROOT / "docs" / "serving.md").read_text().split("```text\n")[1]
+        firsts = [line.split(" ")[:1] for line in documented.splitlines()[:3]]
+        assert firsts == [line.split(" ")[:1] for line in started]
         headers = {"Authorization": f"Bearer {serve.token}"}
         created = httpx.post(f"{serve.url}/trajectories", json={}, headers=headers).json()
     finally:
         code, rest = serve.terminate()
     assert code == 0 and "WARNING" not in rest
+    assert rest.splitlines()[-1] == (
+        f"skycap serve: stopped; wrote 1 open trajectory (status open) to {records}: "
+        f"{created['id']}"
+    )
     assert read_document(records / f"{created['id']}.json.zst")["status"] == "open"
 
     memory = ServeProcess("--upstream-url", upstream.base_url, "--no-record-dir", cwd=tmp_path)
@@ -153,7 +166,8 @@ def test_records_go_to_dot_records_unless_memory_only_is_asked_for(
         warning = memory.process.stderr.readline()
         assert "WARNING" in warning and "lost when the server stops" in warning
     finally:
-        code, _ = memory.terminate()
+        code, rest = memory.terminate()
+    assert rest.splitlines()[-1] == "skycap serve: stopped; no trajectory was open"
     assert code == 0 and len(list(records.glob("*.json.zst"))) == 1  # none from memory
 
     both = subprocess.run(

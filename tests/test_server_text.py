@@ -265,8 +265,8 @@ def test_fork_scenarios_are_explained_by_skycap_check(
     )
     assert reply_of(edited["id"], 2)["reasoning_content"] == "hidden thoughts"
     assert (
-        "(under node 0, vs node 1): different message: a different user message"
-        in (report[compaction["id"]])
+        "(under node 0, vs node 1): compaction: a user message in place of the 4 messages "
+        "from node 1 to node 4" in (report[compaction["id"]])
     )
     assert "(new root, vs node 0): tools or model" in report[tools_changed["id"]]
     assert (

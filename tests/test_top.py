@@ -87,6 +87,16 @@ def test_once_prints_servers_and_live_trajectories(server) -> None:
     assert "live trajectories (2), by age" in run.stdout
     total = _cells(next(line for line in lines if line.startswith("all 1 of 2 up")))
     assert total[3] == "3"  # calls over the servers that are up
+    # docs/tools.md: the token columns are token mode's; a text-mode server shows none.
+    servers = _cells(next(line for line in lines if line.startswith("server ")))
+    text_row = dict(
+        zip(
+            servers,
+            _cells(next(line for line in lines if "(text" in line or " text " in line)),
+            strict=False,
+        )
+    )
+    assert text_row["tokens"] == "-" and dict(zip(servers, total, strict=False))["tokens"] == "-"
 
 
 def _cells(line: str) -> list[str]:
@@ -307,8 +317,17 @@ def test_top_holds_a_token_run_at_80x24(token_run) -> None:
         pane.keys("Escape", "r")
         screen = pane.wait_for("recently ended (2)")
         assert all(t["id"] in screen for t in created[-2:])
+        pane.keys("Escape", "r")  # back to the live list: a sort key twice reverses it
+        pane.keys("c")
+        pane.wait_for("live trajectories (18), by calls")
+        pane.keys("c")
+        pane.wait_for("live trajectories (18), by calls, reversed")
         pane.keys("?")
-        pane.wait_for("skycap top: keys")
+        screen = pane.wait_for("skycap top: keys")
+        assert "l=latency" in screen and "the same key again: reverse" in screen
+        _numbers_whole(screen)  # no help line is cut at 80 columns
+        pane.keys("Escape")
+        pane.wait_for("live trajectories (18)")
         pane.keys("q")
         assert pane.closed(), "skycap top did not quit on q"
     finally:

@@ -337,3 +337,41 @@ def test_the_server_is_read_only_and_answers_unknowns_with_404(client):
     page = client.get("/")
     assert page.status_code == 200 and b'type="module"' in page.content
     assert client.get("/static/app.js").headers["content-type"].startswith("text/javascript")
+
+
+def test_a_re_render_a_compaction_explains_is_a_note_not_a_sign(tmp_path: Path):
+    """The call after a compaction renders in full by design: grey note, no warning sign."""
+    from test_viewer_fixtures import Build, tid
+
+    from skycap.viewer.index import Index
+    from skycap.viewer.server import Viewer
+
+    b = Build(tid(1))
+    system = b.client(None, "You are an agent.", role="system")
+    task = b.client(system, "Investigate.")
+    asked = b.model(task, "searching")
+    result = b.client(asked, "notes", role="tool")
+    b.model(result, "more")
+    summary = b.client(system, "Summary of the work so far.")
+    after = b.model(summary, "done", bridged=False)
+    b.write(tmp_path / "run")
+    viewer = Viewer(Index([tmp_path / "run"]))
+    graph = viewer.graph("run", tid(1))
+    assert [f["cause"] for f in graph["forks"]] == ["compaction"]
+    node = graph["nodes"][after]
+    assert node["signs"] == [] and node["notes"] == ["re-rendered as expected: compaction"]
+    assert [c["rerender"] for c in node["calls"]] == ["compaction"]
+    calls = viewer.calls("run", tid(1))["calls"]
+    assert [c["rerender"] for c in calls if c["node"] == after] == ["compaction"]
+
+
+def test_ungrouped_rollouts_flags_count_in_the_groups_band(client):
+    """A run's rollouts without step/instance_id are no group, but what went wrong in them
+    shows in the Groups view's band, and the answer says how many are not shown."""
+    groups = get(client, "/api/v1/runs/mixed/groups")
+    rollouts = get(client, "/api/v1/runs/mixed/trajectories")
+    assert groups["total"] == 0 and groups["ungrouped"] == rollouts["total"]
+    band = {h["flag"]: h["count"] for h in groups["health"]}
+    assert band["incomplete"] == 1 and band["failed-calls"] == 1
+    assert groups["ungrouped_health"] == groups["health"]
+    assert "bridged-unknown" not in band  # quiet flags stay out, as on rollout rows

@@ -245,7 +245,13 @@ def test_an_expected_unbridged_call_says_why(server: ViewerServer, page):
     assert "lvl-info" in chip.get_attribute("class")
     page.click('.tabs .tab[data-tab="tree"]')
     page.wait_for_selector(".tree")
-    assert "unbridged (resample)" in page.inner_text(".tree")
+    # Expected, not a fault: a grey note, and a grey `false · resample` in the node's calls.
+    note = page.locator(".tree .sign.expected")
+    assert note.all_inner_texts() == ["re-rendered as expected: resample"]
+    assert page.locator(".tree .sign:not(.expected)").count() == 0
+    page.click(".tree-node:has(.sign.expected)")
+    assert page.locator(".tree .bridged.b-expected").inner_text() == "false · resample"
+    assert page.locator(".tree .bridged.b-false").count() == 0
     page.goto(f"{server.url}?run=mixed&view=rollouts&open={MIXED['unbridged']}")
     page.wait_for_selector("#drawer:not([hidden]) .dr-flags")
     unexplained = page.locator('.dr-flags .flag:text-is("unbridged")')
@@ -313,6 +319,55 @@ def test_skycap_view_of_an_s3_mirror_lists_and_opens_records(
     finally:
         viewer.terminate()
         viewer.wait(10)
+
+
+def test_the_groups_band_counts_ungrouped_failures_and_shows_them_in_one_click(
+    server: ViewerServer, page
+):
+    """The mixed run's rollouts carry no step/instance_id: the Groups view has no rows for
+    them, yet its band counts their flags and one click lists them."""
+    page.goto(f"{server.url}?run=mixed&view=groups")
+    hidden = page.wait_for_selector("#health .chip.hidden-rows")
+    text = hidden.inner_text()
+    assert text.startswith("17 ungrouped rollout(s) not shown (") and text.endswith("show them")
+    assert "1 incomplete" in text and "1 failed-calls" in text
+    assert page.locator('#health .chip[data-flag="failed-calls"]').count() == 1
+    assert "ungrouped rollouts" in page.inner_text("#health .health-label")
+    hidden.click()
+    page.wait_for_selector("tr.rollout")
+    assert query(page)["view"] == "rollouts" and page.locator("tr.rollout").count() == 17
+    assert page.errors == []
+
+
+def test_at_1024_px_the_tables_fit_and_one_arrow_marks_the_sort(server: ViewerServer, page):
+    page.set_viewport_size({"width": 1024, "height": 768})
+    try:
+        for view in ("groups", "rollouts"):
+            page.goto(f"{server.url}?run=grpo&view={view}&sort=reward&order=desc")
+            page.wait_for_selector("tr.group" if view == "groups" else "tr.rollout")
+            widths = page.evaluate(
+                """() => {
+                  const table = document.querySelector("#table table");
+                  const root = document.documentElement;
+                  return [root.scrollWidth, root.clientWidth, table.scrollWidth,
+                          table.parentElement.clientWidth,
+                          Math.ceil(table.getBoundingClientRect().right)];
+                }"""
+            )
+            page_width, viewport, table, room, right = widths
+            assert page_width <= viewport and table <= room and right <= viewport, (view, widths)
+            shot(page, f"{view}-1024")
+            arrows = [t for t in page.locator("thead th").all_inner_texts() if "▼" in t]
+            assert len(arrows) == 1, arrows
+        # Groups of one task read apart by their instance id.
+        page.goto(f"{server.url}?run=grpo&view=groups")
+        page.wait_for_selector("tr.group")
+        steps = page.locator("tr.group td.num:nth-child(2)").all_inner_texts()
+        tasks = page.locator("tr.group td.task").all_inner_texts()
+        assert len(set(zip(steps, tasks, strict=True))) == len(tasks) == 5
+        assert "a.json · a" in tasks
+    finally:
+        page.set_viewport_size({"width": 1500, "height": 900})
 
 
 def test_provenance_and_tokens_coloured_by_weight_version(server: ViewerServer, page):

@@ -36,6 +36,19 @@ def test_runs_are_record_directories_up_to_two_levels_down(tmp_path: Path):
     assert "e" in index.runs and index.runs["a"].path == (root / "a").resolve()
 
 
+def test_a_root_holding_records_and_run_folders_lists_each(tmp_path: Path):
+    """`serve` writes into ./records itself while the demo makes run folders inside it."""
+    root = tmp_path / "records"
+    write(root, 1)
+    write(root / "demo-20261205-052612", 2)
+    index = Index([root], min_interval=0)
+    index.refresh()
+    assert {name: len(run.snapshot()) for name, run in index.runs.items()} == {
+        "records": 1,
+        "demo-20261205-052612": 1,
+    }
+
+
 def test_a_record_directory_given_directly_is_one_run(tmp_path: Path):
     write(tmp_path / "skycap", 1)
     index = Index([tmp_path / "skycap"])

@@ -6,21 +6,26 @@ import argparse
 import os
 from pathlib import Path
 
-HELP = "run a live capture of scripted agent rollouts (no network, no GPU) into ./records"
+HELP = (
+    "run a live capture of scripted agent rollouts (no network, no GPU) into a new run "
+    "folder under ./records"
+)
 
 EPILOG = """\
 The demo drives the same capture a trainer uses. To capture a real engine instead, run
 a server and point your harness at the per-trajectory base_url that POST /trajectories
-returns:
+returns (docs/walkthrough.md does it step by step):
 
-  skycap serve --mode tokens --upstream-url http://engine:8000 \\
-      --tokenizer Qwen/Qwen3-8B --max-model-len 32768 --record-dir ./records
+  uv run skycap serve --mode tokens --upstream-url http://engine:8000 \\
+      --tokenizer Qwen/Qwen3-8B --max-model-len 32768 --record-dir ./records/my-run
 
-  skycap serve --mode text --upstream-url http://engine:8000/v1 --record-dir ./records
+  uv run skycap serve --mode text --upstream-url http://engine:8000/v1 \\
+      --record-dir ./records/my-run
 
 or embed it in a trainer: CaptureService("http://engine:8000", mode="tokens",
-tokenizer="Qwen/Qwen3-8B", record_dir="./records").start(). Then inspect the records
-with `skycap check ./records`, `skycap summary ./records` and `skycap view ./records`.
+tokenizer="Qwen/Qwen3-8B", record_dir="./records/my-run").start(). Each demo run writes
+its own folder under ./records; `uv run skycap view records` lists every run there, and
+`uv run skycap check`/`summary` read one run's folder (the demo prints its name).
 """
 
 
@@ -38,7 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--record-dir",
         type=Path,
         default=Path("records"),
-        help="where records are written (default ./records)",
+        help="the folder under which each demo run writes a new folder demo-<date>-<time> "
+        "(default ./records)",
     )
 
 
@@ -55,10 +61,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("skycap demo drives harnesses with the `openai` package: `pip install openai`")
         return 2
-    record_dir = args.record_dir.resolve()
+    from skycap.record.layout import new_run_dir
+
+    root = args.record_dir.resolve()
     try:
-        record_dir.mkdir(parents=True, exist_ok=True)
+        record_dir = new_run_dir(root, "demo")
     except OSError as exc:
-        print(f"skycap demo: error: cannot create --record-dir {record_dir}: {exc.strerror}")
+        print(
+            f"skycap demo: error: cannot create a run folder in --record-dir {root}: {exc.strerror}"
+        )
         return 2
     return run_demo(args.mode, record_dir, Console())

@@ -107,17 +107,26 @@ def run(args: argparse.Namespace) -> int:
                 "" if options.require_api_key else " without a trajectory key (--require-api-key)",
             )
 
-    from skycap.server.addon import SkycapAddon
-    from skycap.server.runner import serve, settle_garbage_collector
-
     if options.mode == "tokens" and options.tokenizer is not None:
-        # A hub name may download (or, offline, retry for minutes): say what is happening.
+        from skycap.tokens.tokenizer_env import TokenizerUnavailable, tokenizer_source
+
+        # A hub name may download: say what is happening. An unreachable hub is refused
+        # here, before the server's imports, so the answer comes in seconds.
         print(
             f"skycap: loading tokenizer {options.tokenizer} (a hub name downloads unless it is "
             "cached; HF_HUB_OFFLINE=1 uses the cache only)",
             file=sys.stderr,
             flush=True,
         )
+        try:
+            tokenizer_source(options.tokenizer)
+        except TokenizerUnavailable as exc:
+            print(f"skycap serve: error: {exc}", file=sys.stderr)
+            return 1
+
+    from skycap.server.addon import SkycapAddon
+    from skycap.server.runner import serve, settle_garbage_collector
+
     try:
         addon = SkycapAddon(options)  # token mode loads its tokenizer here
     except Exception as exc:  # a bad tokenizer or engine setting: say so, no traceback
@@ -138,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
     lost = addon.store.lost if addon.store is not None else []
+    if addon.store is not None:
+        print(shutdown_line(addon.store.open_at_shutdown, lost, options), file=sys.stderr)
     if lost:
         print(
             f"skycap serve: error: {len(lost)} records could not be written to "
@@ -189,4 +200,21 @@ def records_line(options: Any) -> str:
     return (
         f"records: {options.record_dir}; a trajectory idle for {options.ttl:g} s is ended "
         "as abandoned and written (--ttl)"
+    )
+
+
+def shutdown_line(still_open: list[str], lost: list[str], options: Any) -> str:
+    """What a stop did with the trajectories no finish had ended, so none go unnoticed."""
+    written = [i for i in still_open if i not in lost]
+    if not still_open:
+        return "skycap serve: stopped; no trajectory was open"
+    if options.record_dir is None:
+        return (
+            f"skycap serve: stopped; {len(still_open)} open trajectories dropped "
+            "(--no-record-dir writes nothing)"
+        )
+    shown = ", ".join(written[:5]) + (", ..." if len(written) > 5 else "")
+    count = f"{len(written)} open {'trajectory' if len(written) == 1 else 'trajectories'}"
+    return f"skycap serve: stopped; wrote {count} (status open) to {options.record_dir}" + (
+        f": {shown}" if written else ""
     )

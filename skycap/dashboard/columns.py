@@ -131,13 +131,21 @@ def server_columns() -> list[Column]:
         Column("ended", get("ended_total"), 2, right=True),
         Column(
             "tokens",
-            lambda s: compact(s.health.get("tokens_total")) if s.up else "-",
+            lambda s: compact(s.health.get("tokens_total")) if counts_tokens(s) else "-",
             2,
             right=True,
         ),
         Column("calls/s", rate("calls_per_s"), 3, right=True),
-        Column("tok/s", rate("tokens_per_s"), 4, right=True),
+        Column(
+            "tok/s", lambda s: compact(s.tokens_per_s) if counts_tokens(s) else "-", 4, right=True
+        ),
     ]
+
+
+def counts_tokens(server: ServerState) -> bool:
+    """The token columns are token mode's (docs/tools.md): a text-mode server shows `-`,
+    since the usage an upstream reports is its own count, not tokens skycap saw."""
+    return server.up and server.mode != "text"
 
 
 def total(servers: list[ServerState]) -> ServerState:
@@ -146,8 +154,11 @@ def total(servers: list[ServerState]) -> ServerState:
     names = ("open_trajectories", "calls_total", "failures_total", "ended_total", "tokens_total")
     summed = ServerState(f"all {len(up)} of {len(servers)} up", up=bool(up))
     summed.health = {n: sum(int(s.health.get(n) or 0) for s in up) for n in names}
+    summed.health["tokens_total"] = sum(
+        int(s.health.get("tokens_total") or 0) for s in up if counts_tokens(s)
+    )
     modes = {s.mode for s in up}
     summed.health["capture"] = {"mode": modes.pop() if len(modes) == 1 else "mixed"}
     summed.calls_per_s = sum(s.calls_per_s or 0.0 for s in up) if up else None
-    summed.tokens_per_s = sum(s.tokens_per_s or 0.0 for s in up) if up else None
+    summed.tokens_per_s = sum(s.tokens_per_s or 0.0 for s in up if counts_tokens(s)) if up else None
     return summed

@@ -79,7 +79,7 @@ def list_lines(
     title = "recently ended" if recent else "live trajectories"
     title += f" ({len(entries)} of {every}, filter: {view.query})" if view.query else f" ({every})"
     if not recent:
-        title += f", by {SORT_KEYS[view.sort][0]}"
+        title += f", by {SORT_KEYS[view.sort][0]}" + (", reversed" if view.reversed else "")
     room = None if height is None else max(1, height - len(lines) - 3)
     if room is not None:
         view.page = room
@@ -116,8 +116,21 @@ def footer(view: View, width: int) -> Text:
     return Text(clip(hint, width), style="dim")
 
 
+def sort_lines(width: int) -> list[str]:
+    """The sort keys, as many to a line as fit `width`, so none is cut at 80 columns."""
+    lines, line = [], "sort  "
+    for key, (label, _) in SORT_KEYS.items():
+        item = f" {key}={label}"
+        if len(line) + len(item) > width and line.strip() != "sort":
+            lines.append(line)
+            line = "      "
+        line += item
+    lines.append(line)
+    lines.append("       (the same key again: reverse the order)")
+    return lines
+
+
 def help_lines(width: int) -> list[Text]:
-    sorts = "  ".join(f"{k}={label}" for k, (label, _) in SORT_KEYS.items())
     text = [
         ("skycap top: keys", "bold"),
         ("↑/↓ or j/k  move    PgUp/PgDn  page    g/G  first/last", ""),
@@ -126,7 +139,7 @@ def help_lines(width: int) -> list[Text]:
         ("/      filter: words all match; task:W step:N status:W id:W", ""),
         ("       task: matches meta task, task_id or instance_id", ""),
         ("r      live trajectories <-> recently ended (the last 256)", ""),
-        (f"sort   {sorts}", ""),
+        *((line, "") for line in sort_lines(width)),
         ("q      quit", ""),
         ("", ""),
         ("columns", "bold"),

@@ -21,6 +21,7 @@ class View:
     """What is on screen: the chosen screen, sort, filter and selected trajectory."""
 
     sort: str = "a"
+    reversed: bool = False  # smallest first; the sort key pressed again flips it
     screen: str = LIVE
     query: str = ""
     editing: str | None = None  # the filter being typed, None when not typing
@@ -71,6 +72,7 @@ class View:
             self.screen = RECENT if self.screen == LIVE else LIVE
             self.selected, self.cursor, self.offset = None, 0, 0
         elif key in SORT_KEYS:
+            self.reversed = not self.reversed if key == self.sort else False
             self.sort = key
         return True
 
@@ -124,7 +126,7 @@ class View:
         if recent:
             entries.sort(key=lambda e: e.row.get("ended_at") or 0.0, reverse=True)
         else:
-            entries.sort(key=lambda e: SORT_KEYS[self.sort][1](e), reverse=True)
+            entries.sort(key=lambda e: SORT_KEYS[self.sort][1](e), reverse=not self.reversed)
         ids = [e.id for e in entries]
         if self.selected in ids:
             self.cursor = ids.index(self.selected)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,25 @@ class RecordError(Exception):
 
     def __init__(self, reason: str) -> None:
         super().__init__(" ".join(reason.splitlines()))
+
+
+def new_run_dir(root: str | Path, name: str) -> Path:
+    """A new, empty folder `root/<name>-<YYYYMMDD-HHMMSS>` for one run's records (created).
+
+    Runs that share a folder mix: a second run's trajectories sit beside the first's, and
+    the viewer's groups and `skycap check` read them as one run. Each run in its own folder
+    under a shared root is what `skycap view ROOT` lists as separate runs.
+    """
+    base = Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    folder, n = base, 1
+    while True:
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
+            folder = base.with_name(f"{base.name}-{n}")
 
 
 def document_name(trajectory_id: str) -> str:

@@ -1,6 +1,6 @@
 """RecordLog: every attempt the rollout loop opened, per phase and step, for indexes and audits.
 
-The loop writes it; readers (a step index such as `step.json`, docs/index.md "step.json"; a W&B
+The loop writes it; readers (a step index such as `step.json`, docs/run-index.md "step.json"; a W&B
 index; a trainer's own bookkeeping) read it after `generate` returns. An attempt is listed from the
 moment it is opened, so a batch cut short still shows what it started; entries stay until
 `discard` removes them (a long run should discard each step once it is indexed).
@@ -48,7 +48,7 @@ class AttemptRecord:
     ended_at: float | None = None
 
     def row(self, trained: bool | None = None) -> dict[str, Any]:
-        """This attempt as a row of a step index (docs/index.md "step.json"); `trained` as the
+        """This attempt as a row of a step index (docs/run-index.md "step.json"); `trained` as the
         trainer says.
 
         A superseded attempt and any attempt of the `eval` phase are never trained, whatever
@@ -120,7 +120,7 @@ class RecordLog:
     def rows(
         self, phase: str, step: int, trained_ids: set[str] | None = None
     ) -> list[dict[str, Any]]:
-        """The step's attempts as index rows (docs/index.md "step.json"), each trajectory once.
+        """The step's attempts as index rows (docs/run-index.md "step.json"), each trajectory once.
 
         `trained` is `id in trained_ids` when the trainer says which it trained, else None.
         Attempts no server accepted have no trajectory, and attempts of a dropped batch were

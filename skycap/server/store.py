@@ -88,6 +88,8 @@ class TrajectoryStore:
         self.closing = False
         # Trajectories whose record could not be written by the end of shutdown.
         self.lost: list[str] = []
+        # Trajectories still open when shutdown began (written with status open).
+        self.open_at_shutdown: list[str] = []
         self.calls_total = 0
         self.tokens_total = 0
         self._failures_total = 0
@@ -479,6 +481,9 @@ class TrajectoryStore:
                     await task
         self._sweeper = self._retrier = None
         self.close_to_calls()
+        self.open_at_shutdown = [
+            live.id for live in self._live.values() if not live.trajectory.ended
+        ]
         await asyncio.gather(*(self._shutdown_one(live) for live in list(self._live.values())))
         if self.records.mirror is not None:  # waits at most shutdown_timeout, then reports the rest
             await asyncio.to_thread(self.records.mirror.close)

@@ -10,24 +10,38 @@ from pathlib import Path
 from typing import Any
 
 from skycap.tokens.renderer import RenderError
-from skycap.tokens.tokenizer_env import quiet_transformers_import
+from skycap.tokens.tokenizer_env import (
+    TokenizerUnavailable,
+    quiet_transformers_import,
+    tokenizer_source,
+)
 
 
 def load_tokenizer(name: str) -> Any:
+    """A local folder or a hub name; an unreachable hub is refused in seconds (or the cache
+    used) rather than retried for minutes (tokenizer_env.tokenizer_source)."""
+    from huggingface_hub.utils import logging as hub_logging
+
+    # The hub logs through a handler of its own and the root's too: each warning once.
+    hub_logging.disable_propagation()
+    try:
+        source = tokenizer_source(name)  # before transformers' import, which takes seconds
+    except TokenizerUnavailable as exc:
+        raise RenderError(str(exc)) from None
     quiet_transformers_import()
     from renderers.base import load_tokenizer
 
     try:
-        return load_tokenizer(name)
+        return load_tokenizer(source)
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors, ...
         offline = (
-            " (HF_HUB_OFFLINE is set, so hub names cannot be downloaded)"
+            " (HF_HUB_OFFLINE is set, so a hub name is read from the cache only)"
             if os.environ.get("HF_HUB_OFFLINE")
             else ""
         )
         raise RenderError(
             f"cannot load tokenizer {name!r}{offline}: {type(exc).__name__}: {exc}. "
-            "Pass a hub name or a local folder holding tokenizer.json"
+            "Pass a local folder holding tokenizer.json, or a hub name"
         ) from exc
 
 

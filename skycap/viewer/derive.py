@@ -528,17 +528,27 @@ def train_once(document: Mapping[str, Any], derived: Derived) -> dict[str, Any]:
     return {"ok": not twice, "level": level, "text": text, "twice": twice, "never": never}
 
 
+def rerender_notes(derived: Derived) -> dict[int, str]:
+    """Model node -> why its prompt was rendered in full, where a fork or a branch switch
+    explains it (docs/viewer.md "The page"): expected, so shown as a note, not a sign."""
+    return {
+        i: f"re-rendered as expected: {cause}"
+        for i, cause in unbridged_causes(derived).items()
+        if cause is not None
+    }
+
+
 def node_signs(derived: Derived) -> dict[int, list[str]]:
-    """Tree signs per node (docs/viewer.md "The page"): unbridged, inferred, re-tokenized copy,
-    shadowed."""
+    """Tree signs per node (docs/viewer.md "The page"): unexplained unbridged, inferred,
+    re-tokenized copy, shadowed: what is worth a look."""
     signs: dict[int, list[str]] = {}
     copies = retokenized_copies(derived)
     inferred = set(inferred_unbridged(derived))
     causes = unbridged_causes(derived)
     for i, node in enumerate(derived.nodes):
         found = []
-        if i in causes:
-            found.append("unbridged" if causes[i] is None else f"unbridged ({causes[i]})")
+        if i in causes and causes[i] is None:
+            found.append("unbridged")
         if i in inferred:
             found.append("unbridged (inferred)")
         if i in copies:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skycap.viewer.derive import FLAG_LEVELS, GROUP_FLAGS, QUIET_FLAGS, as_number
-from skycap.viewer.index import Summary, group_value
+from skycap.viewer.index import Summary, group_value, lookup
 
 SORTS = (
     "step",
@@ -376,6 +376,7 @@ def group_row(group: Group, groups: GroupSet, query: Query) -> dict[str, Any]:
         "key": group.key,
         "step": group.step,
         "task": group.task,
+        "label": group_label(group, query.group_by),
         "size": len(group.counting),
         "modal": groups.modal,
         "rewards": rewards,
@@ -400,6 +401,15 @@ def group_row(group: Group, groups: GroupSet, query: Query) -> dict[str, Any]:
     }
 
 
+def group_label(group: Group, keys: tuple[str, ...]) -> str:
+    """What tells this group apart besides its step and task: the other group-key values
+    (the instance id, by default), so groups of one task do not all read the same."""
+    first = group.counting[0]
+    parts = [group_value(lookup(first.meta, first.annotations, key)) for key in keys]
+    shown = [p for key, p in zip(keys, parts, strict=True) if key != "step" and p is not None]
+    return " · ".join(p for p in shown if p != group.task)
+
+
 def _flag_order(flag: str) -> int:
     return list(FLAG_LEVELS).index(flag)
 
@@ -415,7 +425,11 @@ def groups_table(summaries: list[Summary], groups: GroupSet, query: Query) -> di
     (docs/viewer.md "The page")."""
     selected = {s.id for s in summaries if matches(s, query)}
     base = [g for g in groups.groups.values() if any(s.id in selected for s in g.members)]
-    band = health_band(g.all_flags() for g in base)
+    ungrouped = [s for s in groups.ungrouped if s.id in selected]
+    # Rollouts without a group key are not rows here, but their flags count in the band:
+    # a failure among them must show where the user looks (docs/viewer.md "Health band").
+    ungrouped_flags = [[f for f in s.flags if f not in QUIET_FLAGS] for s in ungrouped]
+    band = health_band([*(g.all_flags() for g in base), *ungrouped_flags])
     listed = [g for g in base if query.flag is None or query.flag in g.all_flags()]
     listed.sort(key=_default_group_order)
     if query.sort is not None:
@@ -431,6 +445,7 @@ def groups_table(summaries: list[Summary], groups: GroupSet, query: Query) -> di
         "groupable": groups.groupable,
         "group_by": list(query.group_by),
         "modal": groups.modal,
-        "ungrouped": sum(1 for s in groups.ungrouped if s.id in selected),
+        "ungrouped": len(ungrouped),
+        "ungrouped_health": health_band(ungrouped_flags),
         "groups": [group_row(g, groups, query) for g in page],
     }

@@ -86,8 +86,8 @@ class Summary:
     strips: list[list[list[Any]]] = field(default_factory=list)
     listed: dict[str, str] = field(default_factory=dict)
     search: str = ""
-    # The run index's row for this trajectory (docs/index.md "step.json"), when a step.json lists
-    # it.
+    # The run index's row for this trajectory (docs/run-index.md "step.json"), when a
+    # step.json lists it.
     indexed: Mapping[str, Any] | None = None
 
     @property
@@ -215,8 +215,9 @@ def summarise(
 
 
 def index_rows(document: Any) -> dict[str, dict[str, Any]]:
-    """What the viewer shows of a run index file (docs/index.md "step.json"): per trajectory id, its
-    phase, step, `trained` and `superseded`. Anything malformed is skipped, never fatal."""
+    """What the viewer shows of a run index file (docs/run-index.md "step.json"): per
+    trajectory id, its phase, step, `trained` and `superseded`. Anything malformed is
+    skipped, never fatal."""
     if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
         return {}
     found = {}
@@ -385,10 +386,12 @@ def subdirectories(path: Path) -> list[Path]:
 
 
 def record_directories(root: Path) -> list[Path]:
-    """`root` itself if it holds records, else its children or grandchildren that do."""
-    if holds_records(root):
-        return [root]
-    found = []
+    """`root` itself if it holds records, and its children or grandchildren that do.
+
+    A root can hold both: `skycap serve` writes into the folder it is given (./records by
+    default) while the demo and the examples each make a run folder inside it.
+    """
+    found = [root] if holds_records(root) else []
     for child in subdirectories(root):
         if holds_records(child):
             found.append(child)

@@ -264,6 +264,8 @@ class Viewer:
         opened = self.open(run_name, doc_id)
         derived = opened.derived
         signs = derive.node_signs(derived)
+        notes = derive.rerender_notes(derived)
+        causes = derive.unbridged_causes(derived)
         nodes = []
         for i, node in enumerate(derived.nodes):
             tokens = derive.node_tokens(node)
@@ -280,10 +282,12 @@ class Viewer:
                     "shadowed_by": node.get("shadowed_by"),
                     "trained_in": derived.targets.get(i),
                     "signs": signs.get(i, []),
+                    "notes": [notes[i]] if i in notes else [],
                     "preview": derive.message_text(node.get("message"))[:PREVIEW_CHARS],
                     "calls": [
                         {
                             "bridged": derive.bridged_state(call),
+                            "rerender": _rerender(call, causes.get(i)),
                             "finish_reason": call.get("finish_reason"),
                             "model": call.get("model"),
                             "t_start": call.get("t_start"),
@@ -322,6 +326,7 @@ class Viewer:
         """Every call of every model node and every failure, sorted by time."""
         opened = self.open(run_name, doc_id)
         tools = derive.as_dict(opened.document.get("tools"))
+        causes = derive.unbridged_causes(opened.derived)
         entries = []
         for i, node in enumerate(opened.derived.nodes):
             for call in derive.calls_of(node):
@@ -341,6 +346,7 @@ class Viewer:
                         else (end - start) * 1000,
                         "finish_reason": call.get("finish_reason"),
                         "bridged": derive.bridged_state(call),
+                        "rerender": _rerender(call, causes.get(i)),
                         "usage": call.get("usage"),
                         "sampling": call.get("sampling"),
                         "tools": key,
@@ -360,6 +366,11 @@ class Viewer:
             )
         entries.sort(key=lambda e: (e["t"] is None, e["t"] or 0.0))
         return {"id": doc_id, "calls": entries}
+
+
+def _rerender(call: Any, cause: str | None) -> str | None:
+    """Why an unbridged call's prompt was rendered in full, when a fork explains it."""
+    return cause if call.get("bridged") is False else None
 
 
 def _tool_names(tools: Any) -> list[str]:

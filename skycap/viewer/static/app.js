@@ -111,16 +111,30 @@ function renderHealth(data) {
   const clear = state.flag && !data.health.some((h) => h.flag === state.flag)
     ? el("button", { type: "button", class: "chip active", onclick: () => update({ flag: null }) }, `${state.flag} ✕`)
     : "";
+  const hidden = data.view === "groups" ? data.ungrouped : 0;
+  const label = hidden ? `Health (groups, and ${fmtInt(hidden)} ungrouped rollouts):` : `Health (${unit}):`;
   band.replaceChildren(
-    el("span", { class: "muted health-label" }, `Health (${unit}):`),
+    el("span", { class: "muted health-label" }, label),
     ...(chips.length ? chips : [el("span", { class: "muted" }, "no flags")]),
-    clear);
+    clear,
+    hidden ? showUngrouped(data) : "");
+}
+
+// Rollouts without a group key are no rows of the Groups view: say so, with their flags,
+// and show them in one click (the Rollouts view lists every rollout, the flag filter kept).
+function showUngrouped(data) {
+  const flags = data.ungrouped_health.map(({ flag, count }) => `${count} ${flag}`).join(", ");
+  return el("button", {
+    type: "button",
+    class: "chip hidden-rows",
+    title: "rollouts whose meta lacks a group key (step, instance_id by default) are not in any group",
+    onclick: () => update({ view: "rollouts", page: null, sort: null, order: null, group: null }, { push: true }),
+  }, `${fmtInt(data.ungrouped)} ungrouped rollout(s) not shown${flags ? ` (${flags})` : ""}: show them`);
 }
 
 function renderPager(data) {
   const total = data.view === "groups" ? "groups" : "rollouts";
-  const extra = data.view === "groups" && data.ungrouped
-    ? ` · ${data.ungrouped} ungrouped rollout(s) not shown (see Rollouts)` : "";
+  const extra = data.view === "groups" && data.ungrouped ? ` · ${data.ungrouped} ungrouped` : "";
   $("#pager").replaceChildren(
     el("button", { type: "button", disabled: data.page <= 1, onclick: () => update({ page: data.page - 1 }, { push: true }) }, "‹ prev"),
     el("span", { class: "muted" }, `page ${data.page} of ${data.pages} · ${fmtInt(data.total)} ${total}${extra}`),

@@ -30,6 +30,15 @@ function bridgedText(value) {
   return value === "absent" ? "absent" : String(value);
 }
 
+// A call's bridged cell: an unbridged call a fork explains is expected, not a fault.
+function bridgedCell(call) {
+  if (call.bridged === false && call.rerender) {
+    return el("td", { class: "bridged b-expected", title: `re-rendered in full, as expected: ${call.rerender}` },
+      `false · ${call.rerender}`);
+  }
+  return el("td", { class: `bridged b-${bridgedText(call.bridged)}` }, bridgedText(call.bridged));
+}
+
 export class Drawer {
   constructor(root, tooltip, onState) {
     this.root = root;
@@ -224,7 +233,7 @@ export class Drawer {
           el("thead", {}, el("tr", {}, ["call", "model", "finish", "bridged", "ms"].map((h) => el("th", {}, h)))),
           el("tbody", {}, node.calls.map((c, j) => el("tr", {},
             el("td", {}, j), el("td", {}, c.model ?? "—"), el("td", {}, c.finish_reason ?? "—"),
-            el("td", { class: `bridged b-${bridgedText(c.bridged)}` }, bridgedText(c.bridged)),
+            bridgedCell(c),
             el("td", { class: "num" }, c.t_end && c.t_start ? Math.round((c.t_end - c.t_start) * 1000) : "—"))))) : null);
       const line = el("div", {
         class: `tree-node a-${node.author}${node.children.length > 1 ? " branch-point" : ""}${fork ? " fork" : ""}`,
@@ -236,6 +245,7 @@ export class Drawer {
       el("span", { class: "muted" }, node.author === "model" ? "model" : "client"),
       el("span", { class: "muted" }, `${fmtInt(this.nodeSize(node))} ${node.tokens === null ? "chars" : "tok"}`),
       node.signs.map((s) => el("span", { class: "sign" }, s)),
+      node.notes.map((s) => el("span", { class: "sign expected" }, s)),
       fork ? el("span", { class: "fork-mark", title: fork.detail }, `fork vs n${fork.vs}: ${fork.cause}`) : null,
       node.children.length > 1 ? el("span", { class: "branch-mark" }, `◆ ${node.children.length} branches`) : null,
       leafPath.has(id) ? el("a", {
@@ -321,7 +331,7 @@ export class Drawer {
         el("td", { class: "time" }, rel(c.t)), el("td", {}, `n${c.node}`), el("td", {}, c.model ?? "—"),
         el("td", { class: "num" }, c.duration_ms === null ? "—" : Math.round(c.duration_ms)),
         el("td", {}, c.finish_reason ?? "—"),
-        el("td", { class: `bridged b-${bridgedText(c.bridged)}` }, bridgedText(c.bridged)),
+        bridgedCell(c),
         el("td", { class: "mono" }, compact(c.usage)), el("td", { class: "mono" }, compact(c.sampling)),
         el("td", {}, c.tool_names.length ? c.tool_names.join(", ") : c.tools ?? "—"))
       : el("tr", { class: "failure" },

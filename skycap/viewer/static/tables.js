@@ -6,13 +6,15 @@ import {
 } from "./util.js";
 
 function header(columns, state, onSort, extra = []) {
-  return el("thead", {}, el("tr", {}, columns.map(([label, sort, cls, remove]) => {
+  // Two columns may sort by one key (a group's reward dots and its mean): one arrow, on the first.
+  const arrowAt = columns.findIndex(([, sort]) => sort && sort === state.sort);
+  return el("thead", {}, el("tr", {}, columns.map(([label, sort, cls, remove], i) => {
     if (!sort) return el("th", { class: cls }, label);
     const removeButton = remove ? el("button", {
       type: "button", class: "col-remove", title: `remove the ${label} column`,
       onclick: (e) => { e.stopPropagation(); remove(); },
     }, "×") : null;
-    const active = state.sort === sort;
+    const active = i === arrowAt;
     const arrow = active ? (state.order === "asc" ? " ▲" : " ▼") : "";
     return el("th", {
       class: `sortable ${cls || ""}${active ? " sorted" : ""}`,
@@ -64,13 +66,19 @@ function rewardCell(reward, range) {
     fmtReward(reward));
 }
 
+// Date and time may sit on two lines in a narrow window, never a date cut at its hyphens.
+function timeCell(seconds) {
+  const [date, time] = fmtTime(seconds).split(" ");
+  return el("td", { class: "time" }, el("span", { class: "date" }, date), time ? ` ${time}` : null);
+}
+
 function statusCell(status) {
   return el("td", {}, el("span", { class: `status st-${status}` }, status));
 }
 
 const ROLLOUT_COLUMNS = [
   ["Rollout", null, "id"], ["Mask", null], ["Tokens", "tokens", "num"],
-  ["Trainable", "trainable", "num"], ["Turns", "turns", "num"], ["Paths", "paths", "num"],
+  ["Train\u00adable", "trainable", "num"], ["Turns", "turns", "num"], ["Paths", "paths", "num"],
   ["Reward", "reward", "num"], ["Flags", "health"], ["Status", "status"],
   ["Stop reason", "stop_reason"], ["Step", "step", "num"], ["Task", "task"],
   ["Created", "created"],
@@ -118,7 +126,7 @@ function rolloutRow(row, range, onOpen, { inGroup = false, metaKeys = [] } = {})
       el("td", { class: "muted" }, row.stop_reason ?? ""),
       el("td", { class: "num" }, fmtStep(row.step)),
       el("td", { class: "task" }, row.task ?? "—"),
-      el("td", { class: "time" }, fmtTime(row.created_at)),
+      timeCell(row.created_at),
       ...metaKeys.map((key) => el("td", { class: "meta-col" }, (row.meta || {})[key] ?? "—")),
     );
   } else {
@@ -173,7 +181,8 @@ function rollup(counts) {
 function groupRows(group, data, expanded, handlers) {
   const { onToggle, onOpen } = handlers;
   const short = group.flags.includes("short");
-  const task = el("td", { class: "task" }, group.task ?? "—",
+  const task = el("td", { class: "task", title: `group ${group.key}` }, group.task ?? "—",
+    group.label ? el("span", { class: "group-label" }, ` · ${group.label}`) : null,
     short ? el("span", { class: "short-note", title: "short group" }, ` ${group.size} of ${group.modal}`) : null);
   const pass = group.binary ? el("span", { class: "pass" }, ` ${group.pass}/${group.size}`) : null;
   const row = el("tr", {
