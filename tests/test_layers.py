@@ -13,7 +13,14 @@ PACKAGE = ROOT / "skycap"
 
 # docs/architecture.md: each module may import only from its own layer or below.
 LAYERS = [
-    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.dialects"),
+    (
+        "skycap.hashing",
+        "skycap.arrays",
+        "skycap.wire",
+        "skycap.dialects",
+        "skycap.episodes",
+        "skycap.logqueue",
+    ),
     ("skycap.graph",),
     ("skycap.trajectory", "skycap.calls"),
     ("skycap.record", "skycap.text", "skycap.tokens"),
