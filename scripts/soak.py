@@ -21,10 +21,10 @@ the dead workers' crash journals, and their trajectories are finished there.
 
 At the end the server gets SIGTERM and every record is read back. It prints calls
 answered vs recorded, records lost and the server's resident memory over time (with
-workers: the sum over the live workers), then the targets of docs/performance.md
-"Soak with faults" (0 records lost, 0 calls answered but not recorded, `/healthz` never
-over 1 s and p99 under 100 ms, under 20 log lines per full disk, resident memory at the
-end within 10% of its value after warm-up); the exit status is 1 when one is missed.
+workers: the sum over the live workers), then the targets (0 records lost, 0 calls
+answered but not recorded, `/healthz` never over 1 s and p99 under 100 ms, under 20 log
+lines per full disk, resident memory at the end within 10% of its value after warm-up;
+docs/performance.md "Soak with faults"); the exit status is 1 when one is missed.
 
 Usage: uv run python scripts/soak.py [--seconds 120] [--trajectories 256] [--fault-every 15]
        [--workers N] [--disk-seconds 30] [--log-level info]

@@ -104,7 +104,7 @@ class HealthProbe:
         self.latencies: list[float] = []
         self.worst_at: list[tuple[float, float, str]] = []
         self.unanswered = 0  # no answer within PROBE_TIMEOUT
-        self.down = 0  # refused: a killed server not yet back (or a dead worker)
+        self.down = 0  # refused or cut: a killed server (not yet back) or a dead worker
 
     def start(self) -> None:
         self._process.start()
@@ -132,8 +132,8 @@ class HealthProbe:
         return (
             f"/healthz latency over {len(self.latencies)} samples: p50 {self.at(0.5) * 1000:.1f} "
             f"ms, p99 {self.at(0.99) * 1000:.1f} ms, worst {self.worst() * 1000:.1f} ms "
-            f"({worst}); {self.unanswered} unanswered, {self.down} refused while a server "
-            "was down"
+            f"({worst}); {self.unanswered} unanswered, {self.down} refused or cut by a killed "
+            "server"
         )
 
     def at(self, quantile: float) -> float:
@@ -153,10 +153,10 @@ def _probe(urls: list[str], headers: dict[str, str], path: str, stop: Any) -> No
                 began = time.perf_counter()
                 try:
                     client.get(f"{url}/healthz", headers=headers)
-                except httpx.ConnectError:
-                    result = "down"
-                except httpx.HTTPError:
+                except httpx.TimeoutException:
                     result = "lost"
+                except httpx.HTTPError:  # refused, or the connection died with a killed server
+                    result = "down"
                 else:
                     result = f"{time.perf_counter() - began:.6f}"
                 out.write(f"{time.monotonic() - started:.3f} {url} {result}\n")

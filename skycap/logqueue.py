@@ -75,8 +75,8 @@ class LogQueue:
     _users = 0
     _guard = threading.Lock()
 
-    def __init__(self, capacity: int = CAPACITY) -> None:
-        self.records: queue.Queue[logging.LogRecord | None] = queue.Queue(capacity)
+    def __init__(self) -> None:
+        self.records: queue.Queue[logging.LogRecord | None] = queue.Queue(CAPACITY)
         self.handler = _DroppingHandler(self.records)
         self.listener = QueueListener(self.records, _ToRootHandlers(self.handler))
         self._propagate: dict[str, bool] = {}

@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import httpx
 import pytest
 from server_fixtures import Control, make_server, upstream, wait_for
-from test_unwritable import SmallDisk, disk
+from test_unwritable import SmallDisk, _call, disk
 
 from skycap.episodes import FailureEpisode
 from skycap.logqueue import flush_log_queue
@@ -92,7 +91,7 @@ def test_a_full_disk_under_many_trajectories_is_a_few_lines(
     with Control(server.url) as control:
         created = [control.create() for _ in range(24)]
         for one in created:
-            call(one)
+            _call(one)
         disk.fill()
         with caplog.at_level(logging.INFO, logger="skycap"):  # as `--log-level info`
             for one in created:
@@ -118,15 +117,6 @@ def test_a_full_disk_under_many_trajectories_is_a_few_lines(
     assert "records cannot be written" in said[0] and "recovered after" in said[-1]
     assert "24 trajectories" in said[-1]
     assert all((disk.dir / f"{one['id']}.json.zst").is_file() for one in created)
-
-
-def call(created: dict) -> None:
-    response = httpx.post(
-        f"{created['base_url']}/chat/completions",
-        json={"model": "policy", "messages": [{"role": "user", "content": "hello"}]},
-        timeout=20,
-    )
-    assert response.status_code == 200, response.text
 
 
 def test_healthz_counts_each_cause(make_server, tmp_path: Path) -> None:

@@ -393,8 +393,8 @@ class SkycapAddon:
     ) -> None:
         raw = flow.request.raw_content or b""
         assert self.options is not None and self.store is not None
-        if kind != HEALTH:  # liveness answers while the crash journals replay
-            await self.store.recovered()
+        if kind != HEALTH and not self.store.replayed.is_set():  # /healthz answers meanwhile
+            await self.store.replayed.wait()
         harness_route = routes.TABLE.route(kind)
         if len(raw) > self.options.max_body_size:
             _refuse(flow, kind, 413, too_large_message(len(raw), self.options.max_body_size))

@@ -92,7 +92,8 @@ class TrajectoryStore:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._sweeper: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
-        self._recovered = asyncio.Event()
+        #: Set once the crash journals are replayed: requests other than `/healthz` wait for it.
+        self.replayed = asyncio.Event()
         self.closing = False
         # Trajectories whose record could not be written by the end of shutdown.
         self.lost: list[str] = []
@@ -399,7 +400,7 @@ class TrajectoryStore:
         Each comes back as a record written `ended: false`, which can be finished and takes
         no calls; one that cannot be written stays in memory, closed, and is retried. The
         replay runs on a thread, so `/healthz` answers meanwhile; every other request
-        waits for it (`recovered`) and then finds the record, rather than a 404.
+        waits for it (`replayed`) and then finds the record, rather than a 404.
         """
         try:
             for trajectory in await asyncio.to_thread(self.records.replay):
@@ -407,12 +408,7 @@ class TrajectoryStore:
                 live.unwritten = True
                 live.closed = REPLAYED.format(id=trajectory.id)
         finally:
-            self._recovered.set()
-
-    async def recovered(self) -> None:
-        """Return once the crash journals are replayed (at once, after the start)."""
-        if not self._recovered.is_set():
-            await self._recovered.wait()
+            self.replayed.set()
 
     async def _retry_forever(self) -> None:
         while True:
