@@ -23,6 +23,7 @@ in text mode `skycap_upstream_url` is then optional: calls through the proxy go 
 original host.
 """
 
+import atexit
 import os
 import sys
 
@@ -31,6 +32,11 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
+from skycap.logqueue import install_log_queue, uninstall_log_queue  # noqa: E402
 from skycap.server.addon import SkycapAddon  # noqa: E402
 
+# Log lines leave through a queue and a writer thread, so a slow reader of mitmdump's output
+# never stalls the loop (docs/serving.md "Logs"); what is queued is written at exit.
+install_log_queue()
+atexit.register(uninstall_log_queue)
 addons = [SkycapAddon()]

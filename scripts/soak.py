@@ -1,11 +1,17 @@
 """Soak: 256 concurrent trajectories against `skycap serve` for a set time, with faults injected.
 
 Faults, in turn every `--fault-every` seconds: upstream resets (streams cut mid-answer),
-a slow upstream (calls wait seconds), a full disk for a while (a tmpfs filled, then
-freed; only when this process may mount one), and `kill -9` of the server followed by a
-restart on the same record directory (its crash journals replayed). Each trajectory runs
-turns until the time is up, then is finished with a reward; a trajectory whose server
-was killed is finished after the restart (its record was rebuilt from the journal).
+`kill -9` of the server followed by a restart on the same record directory (its crash
+journals replayed), a full disk for `--disk-seconds` (a tmpfs filled, then freed; only
+when this process may mount one), a slow upstream (calls wait seconds), and a stalled
+reader: the soak stops reading the server's output for 10 s, so its pipe fills (at the
+default `--log-level info` each call writes an access line). Each trajectory runs turns
+until the time is up, then is finished with a reward; a trajectory whose server was killed
+is finished after the restart (its record was rebuilt from the journal).
+
+Every child's output is drained to a file named at the end. A thread asks `/healthz` every
+0.5 s through the whole run (scripts/soak_watch.py); its p50, p99 and worst latency are
+printed, and the log lines each full disk produced (access lines left out).
 
 With `--workers N` the server is `skycap serve --workers N` and the kill is `kill -9` of
 one worker (never the last one alive): the supervisor reports it, the others keep serving
@@ -14,11 +20,14 @@ killed, the supervisor is started once more on the same record directory, which 
 the dead workers' crash journals, and their trajectories are finished there.
 
 At the end the server gets SIGTERM and every record is read back. It prints calls
-answered vs recorded, records lost (must be 0; the exit status is 1 otherwise) and the
-server's resident memory over time (with workers: the sum over the live workers).
+answered vs recorded, records lost and the server's resident memory over time (with
+workers: the sum over the live workers), then the targets (0 records lost, 0 calls
+answered but not recorded, `/healthz` never over 1 s and p99 under 100 ms, under 20 log
+lines per full disk, resident memory at the end within 10% of its value after warm-up;
+docs/performance.md "Soak with faults"); the exit status is 1 when one is missed.
 
 Usage: uv run python scripts/soak.py [--seconds 120] [--trajectories 256] [--fault-every 15]
-       [--workers N]
+       [--workers N] [--disk-seconds 30] [--log-level info]
 """
 
 from __future__ import annotations
@@ -35,12 +44,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import orjson
+from soak_watch import Drain, HealthProbe
 
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.record.reader import RecordError, read_document
@@ -51,16 +60,22 @@ WORKERS_LINE = "workers serving:"
 #: restarted server, and every worker, keeps the same one.
 TOKEN_VARIABLE = "SKYCAP_SOAK_CONTROL_TOKEN"
 ENV = {**os.environ, "SKYCAP_UPSTREAM_API_KEY": "sk-soak", TOKEN_VARIABLE: secrets.token_hex(16)}
+#: How long the `stall` fault stops reading the server's output.
+STALL_SECONDS = 10.0
+#: A server process's resident memory "after warm-up" is taken this long after it started
+#: (or after the last kill): long enough for its bounded rings and caches to fill.
+WARM_UP = 120.0
 
 
 class Server:
     """`skycap serve` as a child process, restarted after each kill on the same port."""
 
-    def __init__(self, upstream: str, record_dir: Path) -> None:
+    def __init__(self, upstream: str, record_dir: Path, drain: Drain, log_level: str) -> None:
         self.args = [
             "--upstream-url", upstream, "--record-dir", str(record_dir),
-            "--control-token-env", TOKEN_VARIABLE,
+            "--control-token-env", TOKEN_VARIABLE, "--log-level", log_level,
         ]  # fmt: skip
+        self.drain = drain
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
         self.up = asyncio.Event()
@@ -76,20 +91,15 @@ class Server:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "skycap.cli.main", "serve", "--port", str(self.port)]
-        self.process = subprocess.Popen(
-            [*command, *self.args], stderr=subprocess.PIPE, text=True, env=ENV
-        )
-        assert self.process.stderr is not None
-        url = ""
-        while line := self.process.stderr.readline():
-            match = URL_LINE.search(line)
-            if match:
-                url = match.group(1)
-                break
-            print(f"  server: {line.rstrip()}")
-        if not url:
-            raise SystemExit("skycap serve did not start")
-        self.port = int(url.rsplit(":", 1)[1])
+        after = len(self.drain.lines)
+        process = self.process = _spawn([*command, *self.args])
+        self.drain.follow(process)
+        line = self.drain.wait_line("listening on", 180, lambda: process.poll() is not None, after)
+        if line is None:
+            raise SystemExit(f"skycap serve did not start; its output is in {self.drain.path}")
+        match = URL_LINE.search(line)
+        assert match is not None
+        self.port = int(match.group(1).rsplit(":", 1)[1])
         self.up.set()
 
     async def fault(self) -> None:
@@ -106,21 +116,24 @@ class Server:
     def rss_mib(self) -> float:
         return _rss_mib(self.process.pid) if self.process is not None else 0.0
 
-    def stop(self) -> tuple[int, str]:
+    def stop(self) -> int:
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
-        _, stderr = self.process.communicate(timeout=300)
-        return self.process.returncode, stderr
+        return self.process.wait(timeout=300)
 
 
 class Workers:
     """`skycap serve --workers N` as a child process; faults kill one worker with `kill -9`."""
 
-    def __init__(self, upstream: str, record_dir: Path, workers: int) -> None:
+    def __init__(
+        self, upstream: str, record_dir: Path, workers: int, drain: Drain, log_level: str
+    ) -> None:
         self.args = [
             "--upstream-url", upstream, "--record-dir", str(record_dir),
             "--control-token-env", TOKEN_VARIABLE, "--workers", str(workers),
+            "--log-level", log_level,
         ]  # fmt: skip
+        self.drain = drain
         self.count = workers
         self.port = _free_ports(workers)
         self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(workers)]
@@ -129,8 +142,7 @@ class Workers:
         self.up.set()  # workers die one at a time and stay dead; the others keep serving
         self.kills = 0
         self.process: subprocess.Popen[str] | None = None
-        self.lines: list[str] = []
-        self.seen = threading.Condition()
+        self.since = 0  # the drain's line count when the supervisor last started
 
     def live(self, url: str) -> bool:
         return url not in self.dead
@@ -148,35 +160,23 @@ class Workers:
 
     def _start(self) -> None:
         command = [sys.executable, "-m", "skycap.cli.main", "serve", "--port", str(self.port)]
-        self.process = subprocess.Popen(
-            [*command, *self.args], stderr=subprocess.PIPE, text=True, env=ENV
-        )
-        self.lines = []
-        threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+        self.since = len(self.drain.lines)
+        self.process = _spawn([*command, *self.args])
+        self.drain.follow(self.process)
         line = self.wait_line(WORKERS_LINE, timeout=180)
         if line.split(WORKERS_LINE)[1].split() != self.urls:
             raise SystemExit(f"the workers serve elsewhere than expected: {line}")
 
-    def _read(self, process: subprocess.Popen[str]) -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            with self.seen:
-                self.lines.append(line)
-                self.seen.notify_all()
-
     def wait_line(self, text: str, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        with self.seen:
-            while True:
-                for line in self.lines:
-                    if text in line:
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.process is not None and self.process.poll() is not None):
-                    if any("address already in use" in line for line in self.lines):
-                        raise PortTaken()
-                    raise SystemExit(f"no line with {text!r} from the supervisor: {self.lines}")
-                self.seen.wait(min(left, 1.0))  # also notices the supervisor exiting
+        """A line of the supervisor's (since it last started) that contains `text`."""
+        process = self.process
+        gone = lambda: process is not None and process.poll() is not None  # noqa: E731
+        line = self.drain.wait_line(text, timeout, gone, self.since)
+        if line is None:
+            if any("address already in use" in x for x in self.drain.lines[self.since :]):
+                raise PortTaken()
+            raise SystemExit(f"no line with {text!r} from the supervisor; see {self.drain.path}")
+        return line
 
     def _pids(self) -> list[int]:
         """The workers' process ids, in start order (the supervisor's children)."""
@@ -207,21 +207,25 @@ class Workers:
             return 0.0
         return sum(_rss_mib(pid) for pid in pids)
 
-    def stop(self) -> tuple[int, str]:
+    def stop(self) -> int:
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=300)
-        with self.seen:
-            return code, "".join(self.lines)
+        return self.process.wait(timeout=300)
 
     def recover(self) -> str:
         """Start the supervisor again, which replays the dead workers' crash journals; the
         line in which it says how many trajectories it recovered."""
         self.dead.clear()
         self.start()
-        with self.seen:
-            said = [line for line in self.lines if "recovered from crash journals" in line]
+        said = [x for x in self.drain.lines[self.since :] if "recovered from crash journals" in x]
         return said[0] if said else "no crash journal to replay"
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen[str]:
+    """A server whose stdout and stderr share one pipe, which the soak's Drain reads."""
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
 
 
 class PortTaken(Exception):
@@ -297,6 +301,9 @@ class Stats:
         #: Trajectories of a killed worker, finished once the supervisor has restarted.
         self.deferred: list[str] = []
         self.created = 0
+        #: Per full disk: the server's log lines (access lines left out) from the moment
+        #: it filled until 10 s after it was freed.
+        self.disk_lines: list[list[str]] = []
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -408,11 +415,13 @@ async def finish_deferred(server: Servers, stats: Stats) -> None:
             await finish(trajectory_id, server, url, stats, client)
 
 
-async def faults(server: Servers, upstream: ScriptedUpstream, disk: Disk, every: float, deadline):
-    kinds = ["resets", "kill", "disk", "slow"]
+async def faults(
+    server: Servers, upstream: ScriptedUpstream, disk: Disk, stats: Stats, args, deadline: float
+) -> None:
+    kinds = ["resets", "kill", "disk", "slow", "stall"]
     turn = 0
-    while time.monotonic() + every < deadline:
-        await asyncio.sleep(every)
+    while time.monotonic() + args.fault_every < deadline:
+        await asyncio.sleep(args.fault_every)
         kind = kinds[turn % len(kinds)]
         turn += 1
         print(f"  fault: {kind}", flush=True)
@@ -420,23 +429,48 @@ async def faults(server: Servers, upstream: ScriptedUpstream, disk: Disk, every:
             upstream.fail_next("break_stream", times=50)
         elif kind == "slow":
             upstream.fail_next("sleep", times=100, seconds=2.0)
+        elif kind == "stall":
+            await asyncio.to_thread(server.drain.stall, STALL_SECONDS)
         elif kind == "disk":
             if not disk.tmpfs:
                 print("  (no tmpfs: the full-disk fault is skipped)")
                 continue
+            if time.monotonic() + args.disk_seconds + 10 > deadline:
+                print("  (too little time left for a full disk)")
+                continue
+            mark = server.drain.count()
             await asyncio.to_thread(disk.fill)
-            await asyncio.sleep(min(5.0, every / 2))
+            await asyncio.sleep(args.disk_seconds)
             disk.free()
+            await asyncio.sleep(10.0)  # a retry writes the held records and ends the episode
+            stats.disk_lines.append(server.drain.since(mark))
         else:
             await server.fault()
 
 
-async def memory(server: Servers, samples: list[tuple[float, float, int]], start: float, deadline):
-    """Every 5 s: (seconds in, resident MiB, server processes alive)."""
+Sample = tuple[float, float, int, int]
+
+
+async def memory(server: Servers, samples: list[Sample], start: float, deadline: float) -> None:
+    """Every 5 s: (seconds in, resident MiB, server processes alive, kills so far)."""
     while time.monotonic() < deadline:
         alive = sum(1 for url in server.urls if server.live(url))
-        samples.append((time.monotonic() - start, server.rss_mib(), alive))
+        samples.append((time.monotonic() - start, server.rss_mib(), alive, server.kills))
         await asyncio.sleep(5.0)
+
+
+def memory_growth(samples: list[Sample]) -> tuple[float, float, float] | None:
+    """(seconds in, MiB) after warm-up and MiB at the end, over the processes alive at the
+    end: from the first sample WARM_UP s after the last kill (a restart, or one worker
+    fewer); None when that came too late to compare."""
+    if not samples:
+        return None
+    last_kill = samples[-1][3]
+    since = [s for s in samples if s[3] == last_kill]
+    warm = [s for s in since if s[0] >= since[0][0] + WARM_UP]
+    if len(warm) < 2:
+        return None
+    return warm[0][0], warm[0][1], samples[-1][1]
 
 
 async def soak(args: argparse.Namespace, server: Servers, upstream, disk, stats, samples) -> None:
@@ -447,9 +481,37 @@ async def soak(args: argparse.Namespace, server: Servers, upstream, disk, stats,
         tasks = [trajectory_loop(server, stats, deadline, client) for _ in range(args.trajectories)]
         await asyncio.gather(
             *tasks,
-            faults(server, upstream, disk, args.fault_every, deadline),
+            faults(server, upstream, disk, stats, args, deadline),
             memory(server, samples, start, deadline),
         )
+
+
+def targets(lost: list[str], answered: int, recorded: int, probe: HealthProbe, stats, samples):
+    """docs/performance.md "Soak with faults"'s targets: (what, the figure, whether it holds)."""
+    growth = memory_growth(samples)
+    rows = [
+        ("records lost", f"{len(lost)}", not lost),
+        ("calls answered but not recorded", f"{answered - recorded}", answered == recorded),
+        ("/healthz worst (under 1 s)", f"{probe.worst() * 1000:.0f} ms", probe.worst() < 1.0),
+        ("/healthz p99 (under 100 ms)", f"{probe.at(0.99) * 1000:.1f} ms", probe.at(0.99) < 0.1),
+    ]
+    for i, lines in enumerate(stats.disk_lines):
+        rows.append(
+            (f"log lines of full disk {i + 1} (under 20)", f"{len(lines)}", len(lines) < 20)
+        )
+    if growth is None:
+        rows.append(("resident memory", "the last kill came too late to compare", True))
+    else:
+        at, warm, end = growth
+        change = (end - warm) / warm if warm else 0.0
+        rows.append(
+            (
+                "resident memory at the end vs after warm-up (within 10%)",
+                f"{warm:.0f} MiB at {at:.0f} s -> {end:.0f} MiB ({change:+.1%})",
+                abs(change) <= 0.10,
+            )
+        )
+    return rows
 
 
 def verify(record_dir: Path, stats: Stats) -> tuple[int, int, list[str]]:
@@ -491,8 +553,19 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, default=0, help="run `skycap serve --workers N`; kill workers"
     )
+    parser.add_argument(
+        "--disk-seconds", type=float, default=30.0, help="how long the disk stays full"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        help="the server's --log-level (info: an access line per call, so a stalled reader "
+        "fills the pipe)",
+    )
     args = parser.parse_args()
     random.seed(7)
+    output = Path(tempfile.mkstemp(prefix="skycap-soak-", suffix=".log")[1])
+    drain = Drain(output)
     with tempfile.TemporaryDirectory() as tmp, ScriptedUpstream(chunk_delay=0.002) as upstream:
         disk = Disk(Path(tmp) / "records", args.disk_mib)
         print(
@@ -501,32 +574,37 @@ def main() -> int:
             + (" (tmpfs)" if disk.tmpfs else " (no tmpfs: no full-disk fault)")
         )
         server: Servers = (
-            Workers(upstream.base_url, disk.path, args.workers)
+            Workers(upstream.base_url, disk.path, args.workers, drain, args.log_level)
             if args.workers
-            else Server(upstream.base_url, disk.path)
+            else Server(upstream.base_url, disk.path, drain, args.log_level)
         )
         stats = Stats()
-        samples: list[tuple[float, float, int]] = []
+        samples: list[Sample] = []
         try:
             server.start()
-            asyncio.run(soak(args, server, upstream, disk, stats, samples))
+            probe = HealthProbe(server.urls, AUTH, output.with_suffix(".healthz"))
+            probe.start()
+            try:
+                asyncio.run(soak(args, server, upstream, disk, stats, samples))
+            finally:
+                probe.stop()
             upstream.clear_faults()
-            code, stderr = server.stop()
+            code = server.stop()
             # A supervisor whose worker died exits 1; its restart must exit 0.
             good = code == (1 if args.workers and server.kills else 0)
             if stats.deferred and isinstance(server, Workers):
                 print(f"  supervisor: {server.recover().rstrip()}")
                 asyncio.run(finish_deferred(server, stats))
-                again, more = server.stop()
+                again = server.stop()
                 print(f"  supervisor restarted to replay the journals: exit status {again}")
-                good, stderr = good and again == 0, stderr + more
+                good = good and again == 0
             answered, recorded, lost = verify(disk.path, stats)
         finally:
             if server.process is not None and server.process.poll() is None:
                 server.process.terminate()  # a supervisor stops its workers on SIGTERM
                 server.process.wait(timeout=300)
             disk.unmount()
-        tracebacks = stderr.count("Traceback")
+        tracebacks = drain.text().count("Traceback")
         kills = f"{server.kills} kill -9" + (" of a worker" if args.workers else "")
         print(f"server exit status {code}, {tracebacks} tracebacks, {kills}")
         print(
@@ -545,9 +623,20 @@ def main() -> int:
                 f"unfinished {len(unfinished)}, {empty} of them with no answered call (no record)"
             )
         print(
-            "server RSS over time: " + ", ".join(_rss(t, m, n, args.workers) for t, m, n in samples)
+            "server RSS over time: "
+            + ", ".join(_rss(t, m, n, args.workers) for t, m, n, _ in samples)
         )
-        return 1 if lost or answered != recorded or not good or tracebacks else 0
+        print(probe.summary())
+        for i, lines in enumerate(stats.disk_lines):
+            print(f"full disk {i + 1} ({args.disk_seconds:g} s): {len(lines)} log lines")
+            for line in lines:
+                print(f"    {line.rstrip()[:200]}")
+        missed = 0
+        for what, figure, holds in targets(lost, answered, recorded, probe, stats, samples):
+            print(f"target {'ok    ' if holds else 'MISSED'} {what}: {figure}")
+            missed += not holds
+        print(f"the servers' output: {output}")
+        return 1 if missed or not good or tracebacks else 0
 
 
 if __name__ == "__main__":

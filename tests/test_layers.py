@@ -13,7 +13,15 @@ PACKAGE = ROOT / "skycap"
 
 # docs/architecture.md: each module may import only from its own layer or below.
 LAYERS = [
-    ("skycap.hashing", "skycap.arrays", "skycap.wire", "skycap.weights", "skycap.dialects"),
+    (
+        "skycap.hashing",
+        "skycap.arrays",
+        "skycap.wire",
+        "skycap.weights",
+        "skycap.dialects",
+        "skycap.episodes",
+        "skycap.logqueue",
+    ),
     ("skycap.graph",),
     ("skycap.trajectory", "skycap.calls"),
     ("skycap.record", "skycap.text", "skycap.tokens"),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skycap.episodes import FailureEpisode
 from skycap.record.copier import CopyTimeout, open_copier
 from skycap.record.fsspec_store import error_text, open_store, redact, transient
 from skycap.record.layout import document_name, sidecar_name
@@ -165,6 +166,10 @@ class RecordMirror:
         self._sequence = itertools.count()
         self._folders: set[Path] = set()
         self._held: set[str] = set()  # queued, waiting for release()
+        # A mirror that is down fails every record: one episode, not a line each.
+        self.copies = FailureEpisode(
+            logger, f"record mirror {redact(self.url)}: records are not copied (local ones are)"
+        )
         self.counters = {
             "mirrored": 0,
             "failed": 0,
@@ -330,7 +335,7 @@ class RecordMirror:
         with self._lock:
             self.counters["dropped"] += 1
             self._set_state(trajectory_id, FAILED, f"not copied: {why}")
-        logger.warning("record mirror %s: %s not copied: %s", redact(self.url), trajectory_id, why)
+        self.copies.failed(trajectory_id, why)
 
     def _start_workers(self) -> None:
         """Workers start lazily, on the first submit."""
@@ -371,12 +376,9 @@ class RecordMirror:
                     self.counters["mirrored"] += 1
                 self._lock.notify_all()
             if state == FAILED:
-                logger.warning(
-                    "record mirror %s: copying %s failed: %s",
-                    redact(self.url),
-                    trajectory_id,
-                    error,
-                )
+                self.copies.failed(trajectory_id, f"copying failed: {error}")
+            else:
+                self.copies.succeeded()
 
     def _copy(self, job: _Job) -> tuple[str, str | None]:
         """Copy the job's files in order, stopping at the first failure."""

@@ -248,7 +248,7 @@ class SkycapAddon:
             with contextlib.suppress(LookupError):
                 self.proxy.port = listen_address(proxyserver, RegularMode)[1]
         await self.loopback.start()
-        self.store.recover()
+        await self.store.recover()
         self.store.start()
         assert self.options is not None and self.mode is not None
         await self.mode.start()
@@ -396,7 +396,9 @@ class SkycapAddon:
         self, flow: http.HTTPFlow, state: FlowState, kind: str, trajectory_id: str | None
     ) -> None:
         raw = flow.request.raw_content or b""
-        assert self.options is not None
+        assert self.options is not None and self.store is not None
+        if kind != HEALTH and not self.store.replayed.is_set():  # /healthz answers meanwhile
+            await self.store.replayed.wait()
         harness_route = routes.TABLE.route(kind)
         if len(raw) > self.options.max_body_size:
             _refuse(flow, kind, 413, too_large_message(len(raw), self.options.max_body_size))

@@ -18,7 +18,8 @@ from typing import Any
 
 import orjson
 
-from skycap.record.journal import Journal, replay_journals
+from skycap.episodes import FailureEpisode
+from skycap.record.journal import Journal, journal_dir, replay_journals
 from skycap.record.layout import document_name, sidecar_name
 from skycap.record.mirror import RecordMirror
 from skycap.record.reader import (
@@ -61,6 +62,18 @@ class Records:
                     self.directory,
                     exc,
                 )
+        # A full disk fails every trajectory: one episode per cause, not a line each.
+        self.writes = FailureEpisode(
+            logger,
+            f"records cannot be written to {self.directory} (kept in memory, /healthz "
+            f"answers 503, retried every {RETRY_INTERVAL:g} s)",
+        )
+        self.journals = FailureEpisode(
+            logger,
+            f"crash journals cannot be written in "
+            f"{journal_dir(self.directory) if self.directory is not None else None} "
+            "(calls are answered; a journal is rewritten whole once it can be)",
+        )
         self.mirror: RecordMirror | None = None
         if options.record_mirror is not None:
             self.mirror = RecordMirror(options.record_mirror, options.mirror_config)
@@ -68,38 +81,26 @@ class Records:
     # -- the crash journal ------------------------------------------------------------
 
     def open_journal(self, trajectory: Trajectory) -> None:
-        """Start a new trajectory's journal; a failure is logged and its first call retries."""
+        """Start a new trajectory's journal; a failure is reported and its first call retries."""
         if self.journal is None:
             return
         try:
             self.journal.open(trajectory)
         except (OSError, ValueError) as exc:
-            logger.error(
-                "the crash journal of %s cannot be started in %s: %s",
-                trajectory.id,
-                self.journal.directory,
-                exc,
-            )
+            logger.debug("the crash journal of %s cannot be started: %s", trajectory.id, exc)
+            self.journals.failed(trajectory.id, f"starting one: {exc}")
 
     def journal_call(self, trajectory: Trajectory, calls: int) -> None:
         """Journal a committed call before its answer leaves, so a killed server has it."""
         if self.journal is None:
             return
-        failing = self.journal.broken(trajectory.id)
         try:
             self.journal.append(trajectory, calls)
         except (OSError, TypeError, ValueError) as exc:
-            # Once per outage: a full disk would otherwise log every call.
-            (logger.debug if failing else logger.error)(
-                "the crash journal of %s in %s cannot be written: %s; the call is "
-                "answered, and the journal is rewritten whole once it can be",
-                trajectory.id,
-                self.journal.directory,
-                exc,
-            )
+            logger.debug("the crash journal of %s cannot be written: %s", trajectory.id, exc)
+            self.journals.failed(trajectory.id, str(exc))
         else:
-            if failing:
-                logger.warning("the crash journal of %s is written again", trajectory.id)
+            self.journals.succeeded(trajectory.id)
 
     def replay(self) -> list[Trajectory]:
         """Replay the crash journals of servers that stopped without writing, each
@@ -126,26 +127,23 @@ class Records:
         With `hold`, the mirror's copy waits for `mirror.release` (a finish's answer).
 
         A failed write is an error: the trajectory stays in memory, `/healthz`
-        answers 503 and the write is retried; a retry's failure is logged at debug only.
+        answers 503 and the write is retried (`retry`); the failures of one cause are
+        one episode (skycap.episodes), each trajectory's at debug only.
         """
         assert self.directory is not None
         try:
             files = await asyncio.to_thread(self.write_files, trajectory, hold)
         except Exception as exc:  # a failed write keeps the trajectory in memory for a retry
-            (logger.debug if retry else logger.error)(
-                "the record of %s cannot be written to %s: %s: %s; kept in memory and "
-                "retried every %g s",
-                trajectory.id,
-                document_path(self.directory, trajectory.id),
-                type(exc).__name__,
-                exc,
-                RETRY_INTERVAL,
-            )
+            path = document_path(self.directory, trajectory.id)
+            logger.debug("the record of %s cannot be written to %s: %r", trajectory.id, path, exc)
+            self.writes.failed(trajectory.id, f"{path}: {type(exc).__name__}: {exc}")
             return None
         if retry:
-            logger.warning("the record of %s was written on a retry", trajectory.id)
+            logger.debug("the record of %s was written on a retry", trajectory.id)
+        self.writes.succeeded(trajectory.id)
         if self.journal is not None:
             self.journal.remove(trajectory.id)
+        self.journals.succeeded(trajectory.id)
         return files
 
     def write_files(self, trajectory: Trajectory, hold: bool) -> list[str]:

@@ -21,6 +21,7 @@ from mitmproxy.addons import core, dns_resolver, next_layer, proxyserver, tlscon
 from mitmproxy.master import Master
 from mitmproxy.proxy.mode_specs import ReverseMode
 
+from skycap.logqueue import install_log_queue, uninstall_log_queue
 from skycap.server.addon import SkycapAddon
 from skycap.server.conns import listen_address
 from skycap.server.options import ServerOptions
@@ -100,9 +101,23 @@ async def serve(
 
     `addons` replaces the skycap addon (the benchmark's no-op proxy uses it). Raises
     OSError when the address cannot be bound. One server per process: mitmproxy's
-    context is global.
+    context is global. While it serves, its loggers write through skycap.logqueue, so a
+    slow reader of stderr never stalls the loop.
     """
     quiet_third_party_loggers()
+    install_log_queue()
+    try:
+        await _serve(options, ready, stop_event, addons)
+    finally:
+        uninstall_log_queue()
+
+
+async def _serve(
+    options: ServerOptions,
+    ready: Callable[[str], None] | None,
+    stop_event: asyncio.Event | None,
+    addons: Sequence[object] | None,
+) -> None:
     loop = asyncio.get_running_loop()
     opts = mitm_options.Options()
     if options.proxy_port is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from skycap.episodes import FailureEpisode
 from skycap.record.reader import RecordError
 from skycap.samples import (
     ALL,
@@ -77,6 +78,14 @@ class TrajectoryStore:
         self.capture = capture
         self._provenance = provenance
         self.records = Records(options, decode_spans)
+        #: Each cause that can fail many trajectories at once, by its `/healthz` name
+        #: (docs/http.md "Health"); a call mode adds its upstream's in `attach`.
+        self.episodes: dict[str, FailureEpisode] = {
+            "record_write": self.records.writes,
+            "journal_write": self.records.journals,
+        }
+        if self.records.mirror is not None:
+            self.episodes["mirror_copy"] = self.records.mirror.copies
         self._release = release
         self._live: dict[str, Live] = {}
         # Trajectories that left memory after a context_length_exceeded refusal: the record
@@ -85,6 +94,8 @@ class TrajectoryStore:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._sweeper: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
+        #: Set once the crash journals are replayed: requests other than `/healthz` wait for it.
+        self.replayed = asyncio.Event()
         self.closing = False
         # Trajectories whose record could not be written by the end of shutdown.
         self.lost: list[str] = []
@@ -375,6 +386,9 @@ class TrajectoryStore:
         }
         if self.records.mirror is not None:
             health["record_mirror"] = self.records.mirror.health()
+        health["failing_causes"] = {
+            name: episode.health() for name, episode in self.episodes.items()
+        }
         return health
 
     # -- TTL and shutdown (http.md §6) -----------------------------------------------------------
@@ -387,18 +401,21 @@ class TrajectoryStore:
             self._sweeper = loop.create_task(self._sweep_forever())
             self._retrier = loop.create_task(self._retry_forever())
 
-    def recover(self) -> None:
+    async def recover(self) -> None:
         """Replay the crash journals of servers that stopped without writing.
 
         Each comes back as a record written `ended: false`, which can be finished and takes
-        no calls; one that cannot be written stays in memory, closed, and is retried. It
-        runs on the loop, blocking it, at start: a call or finish that arrives meanwhile
-        waits and then finds the record, rather than a 404.
+        no calls; one that cannot be written stays in memory, closed, and is retried. The
+        replay runs on a thread, so `/healthz` answers meanwhile; every other request
+        waits for it (`replayed`) and then finds the record, rather than a 404.
         """
-        for trajectory in self.records.replay():
-            live = self._adopt(trajectory)
-            live.unwritten = True
-            live.closed = REPLAYED.format(id=trajectory.id)
+        try:
+            for trajectory in await asyncio.to_thread(self.records.replay):
+                live = self._adopt(trajectory)
+                live.unwritten = True
+                live.closed = REPLAYED.format(id=trajectory.id)
+        finally:
+            self.replayed.set()
 
     async def _retry_forever(self) -> None:
         while True:

@@ -26,6 +26,7 @@ from mitmproxy import http
 from skycap.calls import call_record, harness_mark, reply_id_mark
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
+from skycap.episodes import FailureEpisode
 from skycap.server.conns import Connections, client_connected
 from skycap.server.flowstate import state_of
 from skycap.server.live import Live
@@ -33,7 +34,7 @@ from skycap.server.loopback import Loopback, UpstreamRelay
 from skycap.server.options import ServerOptions
 from skycap.server.retry import CallKey, Entry, Replay
 from skycap.server.store import TrajectoryStore
-from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool
+from skycap.server.upstream import Exchange, UpstreamError, UpstreamPool, UpstreamUnreachable
 from skycap.text.commit import commit_text_call
 from skycap.tokens.provenance import versions
 from skycap.weights import Span, reported_spans
@@ -92,6 +93,10 @@ class TextMode:
             self._added = ((b"host", host_header.encode()), *self._auth(host))
         self.timeout = options.upstream_timeout
         self.client = UpstreamPool(self.timeout)
+        # An upstream that is down fails every call: one episode, not a line per call.
+        self.unreachable = FailureEpisode(
+            logger, "the upstream cannot be reached (calls are answered 502)"
+        )
         self.tasks: set[asyncio.Task[None]] = set()  # calls still running, for close()
 
     def forward(self, flow: http.HTTPFlow, suffix: bytes) -> None:
@@ -140,6 +145,7 @@ class TextMode:
 
     def attach(self, store: TrajectoryStore) -> None:
         self.store = store
+        store.episodes["upstream_connect"] = self.unreachable
 
     def describe(self) -> None:
         return None  # the start line already names the upstream
@@ -371,6 +377,7 @@ class TextCall:
         try:
             exchange = await self.mode.client.send(request)
             del request  # written: the flow may go
+            self.mode.unreachable.succeeded()
             head = exchange.response
             if (
                 self.request.stream
@@ -387,6 +394,8 @@ class TextCall:
                 self._end()
                 self._answer(None)
         except UpstreamError as exc:
+            if isinstance(exc, UpstreamUnreachable):
+                self.mode.unreachable.failed(self.trajectory_id, str(exc))
             self._upstream_failed(str(exc))
         except Exception as exc:  # a bug must not leave the harness hanging
             logger.warning("text-mode call of %s failed: %r", self.trajectory_id, exc)

@@ -57,6 +57,7 @@ class TokenMode:
 
     def attach(self, store: TrajectoryStore) -> None:
         self.store = store
+        store.episodes["engine_connect"] = self.backend.client.unreachable
 
     async def start(self) -> None:
         await self.backend.start()  # learns the served model name

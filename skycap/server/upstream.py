@@ -21,6 +21,10 @@ from mitmproxy.net.http import http1
 _LIMIT = 1 << 20  # the longest response head or chunk-size line
 _READ = 1 << 16
 _IDLE_PER_ORIGIN = 128
+#: Pauses before connecting again after a refused or reset connect (nothing was sent);
+#: after the last, the call fails with skycap's 502.
+CONNECT_RETRY_DELAYS = (0.05, 0.25)
+_RETRIED_CONNECT = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError)
 
 Origin = tuple[str, str, int]
 
@@ -31,6 +35,14 @@ class UpstreamError(Exception):
 
 class UpstreamTimeout(UpstreamError):
     """No progress within `--upstream-timeout`."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection could be made (after the retries): nothing of the request was sent."""
+
+
+class _RefusedOrReset(UpstreamUnreachable):
+    """The connect was refused or reset: worth another try, as nothing was sent."""
 
 
 class _Method:
@@ -178,6 +190,20 @@ class UpstreamPool:
             conn.writer.close()
         scheme, host, port = origin
         tls = self._context() if scheme == "https" else None
+        # A refused or reset connect sent nothing of the request, so trying again cannot
+        # send it twice (docs/serving.md "Text mode's upstream connections").
+        for delay in CONNECT_RETRY_DELAYS:
+            try:
+                return await self._open(host, port, tls)
+            except _RefusedOrReset:
+                await asyncio.sleep(delay)
+        try:
+            return await self._open(host, port, tls)
+        except _RefusedOrReset as exc:
+            tries = len(CONNECT_RETRY_DELAYS) + 1
+            raise UpstreamUnreachable(f"{exc} ({tries} tries)") from None
+
+    async def _open(self, host: str, port: int, tls: ssl.SSLContext | None) -> _Conn:
         try:
             reader, writer = await self.read(
                 asyncio.open_connection(
@@ -185,7 +211,8 @@ class UpstreamPool:
                 )
             )
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
+            failed = _RefusedOrReset if isinstance(exc, _RETRIED_CONNECT) else UpstreamUnreachable
+            raise failed(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
         return _Conn(reader, writer)
 
     def release(self, origin: Origin, conn: _Conn) -> None:

@@ -8,14 +8,16 @@ replies; this module only moves bytes and names transport failures.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import orjson
 
+from skycap.episodes import FailureEpisode
 from skycap.tokens.engine import EngineError, EngineWire
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,9 @@ CONNECT_TIMEOUT = 30.0
 RELEASE_TIMEOUT = 10.0
 #: Characters of an engine's error body quoted in the harness's 502/5xx message.
 ENGINE_EXCERPT_LIMIT = 300
+#: Pauses before connecting again after a refused or reset connect (nothing was sent);
+#: after the last, the call fails with 502 `engine: …` (docs/tokens.md "Outcomes the harness sees").
+CONNECT_RETRY_DELAYS = (0.05, 0.25)
 
 
 class EngineClient:
@@ -41,19 +46,40 @@ class EngineClient:
         self.engine = engine
         self.upstream_timeout = upstream_timeout
         self._client: httpx.AsyncClient | None = None
+        # An engine that is down fails every call: one episode, not a line per call.
+        self.unreachable = FailureEpisode(
+            log, f"the engine at {upstream_url} cannot be reached (calls are answered 502)"
+        )
+
+    async def _connected[T](self, session_id: str, send: Callable[[], Awaitable[T]]) -> T:
+        """`send()`, tried again when its connect failed (refused, reset: nothing was sent);
+        a request whose bytes went out is never sent twice."""
+        for delay in CONNECT_RETRY_DELAYS:
+            try:
+                answer = await send()
+            except httpx.ConnectError:
+                await asyncio.sleep(delay)
+                continue
+            self.unreachable.succeeded()
+            return answer
+        try:
+            answer = await send()
+        except httpx.ConnectError as exc:
+            self.unreachable.failed(session_id, f"{type(exc).__name__}: {exc}")
+            raise
+        self.unreachable.succeeded()
+        return answer
 
     async def generate(self, session_id: str, payload: bytes) -> tuple[int, bytes]:
         """POST the generate request: (status, body); transport failures raise EngineError."""
         url = self.upstream_url + self.engine.generate_path
         headers = self._generate_headers(session_id)
         try:
-            response = await self._http().post(url, content=payload, headers=headers)
-        except httpx.ConnectTimeout as exc:
-            raise EngineError(f"could not connect to {url} within {CONNECT_TIMEOUT:g} s") from exc
-        except httpx.TimeoutException as exc:
-            raise EngineError(f"timed out after {self.upstream_timeout:g} s") from exc
+            response = await self._connected(
+                session_id, lambda: self._http().post(url, content=payload, headers=headers)
+            )
         except httpx.HTTPError as exc:
-            raise EngineError(f"{type(exc).__name__} calling {url}: {exc}") from exc
+            raise self._transport_error(url, exc) from exc
         return response.status_code, response.content
 
     @asynccontextmanager
@@ -71,7 +97,9 @@ class EngineClient:
         headers = self._generate_headers(session_id)
         request = self._http().build_request("POST", url, content=payload, headers=headers)
         try:
-            response = await self._http().send(request, stream=True)
+            response = await self._connected(
+                session_id, lambda: self._http().send(request, stream=True)
+            )
         except httpx.HTTPError as exc:
             raise self._transport_error(url, exc) from exc
         try:
