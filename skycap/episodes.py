@@ -5,7 +5,7 @@ trajectory at once; a line per trajectory per retry floods the log (and, before 
 queue, stalled the loop on a full stderr pipe). An episode logs one line when the cause
 starts failing, one summary at most every `every` seconds while it lasts (how many
 trajectories, failures and retries, the first few ids named and the rest counted), and one
-line when it ends; its counters go to `/healthz` (docs/http.md "Health").
+line when it ends; its counters go to `/healthz` (docs/http.md §13).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class FailureEpisode:
         )
 
     def health(self) -> dict[str, Any]:
-        """The `/healthz` counters of this cause (docs/http.md "Health")."""
+        """The `/healthz` counters of this cause (docs/http.md §13)."""
         with self._lock:
             return {
                 "failing": bool(self._hit),

@@ -79,7 +79,7 @@ class TrajectoryStore:
         self._provenance = provenance
         self.records = Records(options, decode_spans)
         #: Each cause that can fail many trajectories at once, by its `/healthz` name
-        #: (docs/http.md "Health"); a call mode adds its upstream's in `attach`.
+        #: (docs/http.md §13); a call mode adds its upstream's in `attach`.
         self.episodes: dict[str, FailureEpisode] = {
             "record_write": self.records.writes,
             "journal_write": self.records.journals,
