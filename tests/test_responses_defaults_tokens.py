@@ -52,8 +52,15 @@ def control(server: ServerThread) -> Iterator[Control]:
 
 
 def create(client: openai.OpenAI, sent: dict[str, Any]) -> Any:
+    """One call with the body as Codex sends it (streamed, as Codex streams); the response."""
     rest = {k: v for k, v in sent.items() if k not in ("model", "input", "stream")}
-    return client.responses.create(model="policy", input=sent["input"], extra_body=rest)
+    if not sent.get("stream"):
+        return client.responses.create(model="policy", input=sent["input"], extra_body=rest)
+    events = client.responses.create(
+        model="policy", input=sent["input"], stream=True, extra_body=rest
+    )
+    (done,) = [e for e in events if e.type == "response.completed"]
+    return done.response
 
 
 def test_codex_default_tools_render_and_a_custom_call_round_trips_on_one_path(
@@ -75,6 +82,7 @@ def test_codex_default_tools_render_and_a_custom_call_round_trips_on_one_path(
         CODE,
     )
     second_body = body()
+    del second_body["stream"]  # a JSON reply this time
     second_body["input"] += [
         *[item.model_dump(exclude_none=True) for item in first.output],
         {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "hi"},
