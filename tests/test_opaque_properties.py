@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixtures import Control, ServerThread
 
+from skycap.dialects.chat import DIALECT as CHAT
 from skycap.mock.anthropic import ScriptedAnthropicUpstream
 from skycap.mock.replies import Reply
 from skycap.mock.responses import ScriptedResponsesUpstream
@@ -227,3 +228,15 @@ def test_unread_types_are_forwarded_recorded_and_replayed_on_one_path(
             assert value in kept
 
     check()
+
+
+def test_token_mode_names_what_it_cannot_render_in_chat() -> None:
+    audio = {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}
+    request = CHAT.read({"messages": [{"role": "user", "content": [audio]}]})
+    assert request.messages[0]["content"] == [{"type": "opaque", "dialect": "chat", "value": audio}]
+    assert request.token_refusal is not None
+    assert request.token_refusal.startswith("messages[0].content[0] has type 'input_audio'")
+    custom = {"type": "custom", "custom": {"name": "exec"}}
+    request = CHAT.read({"messages": [{"role": "user", "content": "x"}], "tools": [custom]})
+    assert request.token_refusal is not None
+    assert request.token_refusal.startswith("tools[0] has type 'custom'")

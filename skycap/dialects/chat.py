@@ -301,6 +301,9 @@ class ChatDialect:
         messages = [
             read_message(m, f"messages[{i}]", unread) for i, m in enumerate(body["messages"])
         ]
+        for k, tool in enumerate(tools if isinstance(tools, list) else ()):
+            if isinstance(tool, dict) and tool.get("type") not in (None, "function"):
+                unread.append((f"tools[{k}]", tool))  # a custom or hosted tool: not rendered
         request = Request(
             body=body,
             messages=messages,
