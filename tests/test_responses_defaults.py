@@ -238,7 +238,6 @@ def test_codex_at_its_defaults_is_forwarded_as_sent_and_recorded_as_one_path(
         "exec",
     )
     second_body = body()
-    del second_body["stream"]  # a JSON reply this time
     second_body["input"] += [
         *first["output"],
         {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "hi"},
@@ -251,6 +250,7 @@ def test_codex_at_its_defaults_is_forwarded_as_sent_and_recorded_as_one_path(
         "message",
     ]
     third_body = body()
+    del third_body["stream"]  # a JSON reply this time
     third_body["input"] += [
         *second_body["input"][3:],
         *second["output"],
