@@ -25,6 +25,7 @@ from skycap.mock.replies import Reply
 from skycap.mock.responses import ScriptedResponsesUpstream
 from skycap.mock.upstream import ScriptedUpstream
 from skycap.server.options import ServerOptions
+from skycap.viewer.derive import message_text
 
 PROPERTY = settings(
     max_examples=12,
@@ -240,3 +241,9 @@ def test_token_mode_names_what_it_cannot_render_in_chat() -> None:
     request = CHAT.read({"messages": [{"role": "user", "content": "x"}], "tools": [custom]})
     assert request.token_refusal is not None
     assert request.token_refusal.startswith("tools[0] has type 'custom'")
+
+
+def test_a_reader_sees_what_an_opaque_part_holds() -> None:
+    search = {"type": "opaque", "dialect": "responses", "value": {"type": "web_search_call"}}
+    message = {"role": "assistant", "content": [search, {"type": "text", "text": "Sunny."}]}
+    assert message_text(message) == "[web_search_call]\nSunny."
