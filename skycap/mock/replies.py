@@ -24,6 +24,10 @@ class Reply:
     `usage` defaults to deterministic counts derived from the sizes of request and reply.
     `weight_versions` are spans a vLLM upstream would attach (skycap.weights), sent where
     each wire carries them; None sends none.
+    `hosted` are items or blocks in the API's own shape (a Responses `web_search_call`,
+    Anthropic server-tool or `redacted_thinking` blocks) that the mock sends as given,
+    after the reasoning and before the text. A Responses tool call may be
+    `{"type": "custom", "id", "custom": {"name", "input"}}` and carry a `namespace`.
     """
 
     content: str | None = None
@@ -32,6 +36,7 @@ class Reply:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     weight_versions: list[dict[str, Any]] | None = None
+    hosted: list[dict[str, Any]] | None = None
 
 
 ReplySpec = Reply | Mapping[str, Any]
