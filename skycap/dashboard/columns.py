@@ -137,7 +137,16 @@ def server_columns() -> list[Column]:
         ),
         Column("calls/s", rate("calls_per_s"), 3, right=True),
         Column("tok/s", rate("tokens_per_s"), 4, right=True),
+        Column("cache hits", _render_cache, 5, right=True),
     ]
+
+
+def _render_cache(server: ServerState) -> str:
+    """Token mode's render cache: prompts served from it, and the bytes it holds."""
+    hits, held = server.health.get("render_cache_hits"), server.health.get("render_cache_bytes")
+    if not server.up or hits is None:
+        return "-"
+    return f"{compact(hits)} {compact(held)}B"
 
 
 def total(servers: list[ServerState]) -> ServerState:
@@ -146,6 +155,10 @@ def total(servers: list[ServerState]) -> ServerState:
     names = ("open_trajectories", "calls_total", "failures_total", "ended_total", "tokens_total")
     summed = ServerState(f"all {len(up)} of {len(servers)} up", up=bool(up))
     summed.health = {n: sum(int(s.health.get(n) or 0) for s in up) for n in names}
+    for name in ("render_cache_hits", "render_cache_bytes"):
+        held = [int(s.health[name]) for s in up if name in s.health]
+        if held:
+            summed.health[name] = sum(held)
     modes = {s.mode for s in up}
     summed.health["capture"] = {"mode": modes.pop() if len(modes) == 1 else "mixed"}
     summed.calls_per_s = sum(s.calls_per_s or 0.0 for s in up) if up else None

@@ -203,7 +203,11 @@ class SkycapAddon:
             mode = TextMode(options, self.conns, self.loopback)
         self.mode = mode
         self.store = TrajectoryStore(
-            options, mode.capture, release=mode.release, decode_spans=mode.decode_spans
+            options,
+            mode.capture,
+            release=mode.release,
+            decode_spans=mode.decode_spans,
+            counters=mode.counters,
         )
         mode.attach(self.store)
         if options.proxy_port is not None:

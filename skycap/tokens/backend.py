@@ -42,6 +42,7 @@ class TokenBackend:
         self.served = self.settings.served
         self._pool = self.settings.pool
         self._states: dict[str, TrajectoryState] = {}
+        self._pool_seconds: float | None = None
 
     @classmethod
     def from_options(cls, options: TokenOptions) -> TokenBackend:
@@ -67,12 +68,24 @@ class TokenBackend:
         return self.served.name
 
     async def start(self) -> None:
-        """Learn the served model name from the engine's `/v1/models`, briefly.
+        """Build the renderer pool's slots, and learn the served model name from the
+        engine's `/v1/models`, briefly.
 
-        Retries with backoff for a few seconds here; if the engine is not up yet, keeps
-        retrying in the background, and the first call asks again.
+        The slots are built off the event loop, so the first calls of a burst load no
+        tokenizer. The model name is retried with backoff for a few seconds here; if the
+        engine is not up yet, it keeps retrying in the background, and the first call asks
+        again.
         """
+        filling = asyncio.create_task(asyncio.to_thread(self._pool.fill))
         await self.served.start(self.client.list_models)
+        self._pool_seconds = await filling
+
+    def describe_pool(self) -> str:
+        """The start banner's line about the renderer pool and the render cache."""
+        pool, cache = self._pool, self._pool.cache
+        built = "" if self._pool_seconds is None else f" built in {self._pool_seconds:.1f} s"
+        held = "render cache off" if cache is None else f"render cache {cache.max_bytes >> 20} MiB"
+        return f"{pool.size} renderer slots{built}; {held}"
 
     # -- a harness call -------------------------------------------------------------------
 
