@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
     from skycap.server.addon import SkycapAddon
-    from skycap.server.runner import serve, settle_garbage_collector
+    from skycap.server.runner import new_event_loop, serve, settle_garbage_collector
 
     if options.mode == "tokens" and options.tokenizer is not None:
         # A hub name may download (or, offline, retry for minutes): say what is happening.
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         await serve(options, ready=ready, stop_event=stop, addons=[addon])
 
     try:
-        asyncio.run(main())
+        asyncio.run(main(), loop_factory=new_event_loop)
     except OSError as exc:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1
