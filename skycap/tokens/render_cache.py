@@ -4,8 +4,8 @@ A GRPO group sends the same system prompt and task once per repetition, each the
 of a new trajectory, which cannot bridge from anything; without the cache each one costs a
 full render (about 1.6 ms per 1k tokens with Qwen3). Entries are keyed by what a render is a
 function of: the renderer's digest (tokenizer, template, renderer and its settings), the
-tools and each message, as the values the renderer is handed (docs/tokens.md
-"The render cache").
+tools and each message, as the values the renderer is handed
+(docs/tokens.md "The render cache").
 """
 
 from __future__ import annotations
