@@ -85,7 +85,8 @@ class TokenBackend:
         pool, cache = self._pool, self._pool.cache
         built = "" if self._pool_seconds is None else f" built in {self._pool_seconds:.1f} s"
         held = "render cache off" if cache is None else f"render cache {cache.max_bytes >> 20} MiB"
-        return f"{pool.size} renderer slots{built}; {held}"
+        slots = "1 renderer slot" if pool.size == 1 else f"{pool.size} renderer slots"
+        return f"{slots}{built}; {held}"
 
     # -- a harness call -------------------------------------------------------------------
 
