@@ -27,7 +27,7 @@ class RendererPool:
     tokenizer takes seconds of CPU, which a burst of new trajectories must not pay), and a
     pool used before that builds them as threads first need them. With `cache`, every
     slot's `render` goes through it, scoped by the primary's `render_digest`; a renderer
-    without one (a ready `renderer=` object may keep state) is never cached. A custom
+    without one (a custom `renderer=` object may keep state) is never cached. A custom
     renderer goes in as `RendererPool(lambda: renderer, 1)`.
     """
 
