@@ -1,9 +1,16 @@
-"""Text-mode overhead benchmark: direct, a no-op lean mitmproxy, and skycap, in one run.
+"""Text-mode overhead benchmark: direct, a minimal aiohttp relay, a no-op lean mitmproxy, and
+skycap, in one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
-        [--api chat,messages,responses]
+        [--api chat,messages,responses] [--upstream asyncio,threaded]
 
-The mock upstream, the no-op proxy and skycap each run in their own process; the load
+The relay is the baseline a capture server is held to: an aiohttp server that parses the
+request body, sends it upstream with one pooled aiohttp client, parses a whole reply (or
+passes an event stream on chunk by chunk) and answers; nothing is recorded. `--upstream
+threaded` (Chat Completions only) replaces the asyncio mock upstream with a
+thread-per-connection `http.server` one.
+
+The mock upstream, the relay, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
 sends the same chat body, non-streamed and streamed, to each target, in interleaved
 rounds (so load from elsewhere on the machine hits every target alike). Proxy CPU comes from
@@ -22,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +66,97 @@ RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "parameters": {"typ
 # -- the processes under test ----------------------------------------------------------------
 
 
+def role_threaded_upstream() -> None:
+    """A thread-per-connection Chat Completions upstream (`http.server`), keep-alive."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from skycap.mock.chat_wire import completion_body, stream_events
+    from skycap.mock.replies import Reply
+
+    reply = Reply(content="echo: Go ahead.")
+    whole = completion_body(reply, model="policy", reply_id="chatcmpl-1", request_size=100)
+    events = stream_events(
+        reply, model="policy", reply_id="chatcmpl-1", request_size=100, include_usage=False
+    )
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # head and body are separate writes
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            if orjson.loads(body).get("stream"):
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for event in events:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(whole)))
+                self.end_headers()
+                self.wfile.write(whole)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # 64 workers connect at once
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    print(f"http://127.0.0.1:{server.server_address[1]}/v1", flush=True)
+    sys.stdin.read()
+    server.shutdown()
+
+
+def role_relay(upstream_url: str) -> None:
+    """The minimal aiohttp capture relay (see the module docstring)."""
+    from aiohttp import ClientSession, TCPConnector, web
+
+    upstream = upstream_url.removesuffix("/v1")
+    hop = {"host", "content-length", "transfer-encoding", "connection"}
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        parsed = orjson.loads(body)  # what a capture server reads of the request
+        session: ClientSession = request.app["session"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
+        async with session.post(upstream + request.path, data=body, headers=headers) as reply:
+            if parsed.get("stream") and reply.content_type == "text/event-stream":
+                response = web.StreamResponse(status=reply.status)
+                response.content_type = "text/event-stream"
+                await response.prepare(request)
+                async for chunk in reply.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+            data = await reply.read()
+            orjson.loads(data)  # what a capture server reads of the reply
+            return web.Response(status=reply.status, body=data, content_type=reply.content_type)
+
+    async def serve_relay() -> None:
+        app = web.Application()
+        app["session"] = ClientSession(connector=TCPConnector(limit=0))
+        app.router.add_post("/{tail:.*}", relay)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(f"http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
+        await stop.wait()
+        await app["session"].close()
+        await runner.cleanup()
+
+    asyncio.run(serve_relay())
+
+
 def role_upstream(api: str) -> None:
     from skycap.mock.anthropic import ScriptedAnthropicUpstream
     from skycap.mock.responses import ScriptedResponsesUpstream
@@ -86,9 +185,9 @@ class Retarget:
             flow.response.stream = True
 
 
-def role_proxy(kind: str, upstream_url: str) -> None:
+def role_proxy(kind: str, upstream_url: str, loop_name: str) -> None:
     from skycap.server.options import ServerOptions
-    from skycap.server.runner import serve, settle_garbage_collector
+    from skycap.server.runner import new_event_loop, serve, settle_garbage_collector
 
     # The parent made the control token and passes it down in the environment.
     options = ServerOptions(upstream_url, control_token=os.environ[CONTROL_TOKEN_ENV])
@@ -108,7 +207,8 @@ def role_proxy(kind: str, upstream_url: str) -> None:
 
         await serve(options, ready=ready, stop_event=stop, addons=addons)
 
-    asyncio.run(main())
+    factory = asyncio.new_event_loop if loop_name == "asyncio" else new_event_loop
+    asyncio.run(main(), loop_factory=factory)
 
 
 class Child:
@@ -238,6 +338,7 @@ def request_body(api: str, stream: bool) -> bytes:
 
 def measure(
     api: str,
+    upstream: str,
     targets: dict[str, tuple[str, Child | None]],
     stream: bool,
     concurrency: int,
@@ -257,7 +358,7 @@ def measure(
             urls = call_urls(api, name, base, concurrency)
             clients = [httpx.AsyncClient(limits=limits, timeout=60, headers=headers) for _ in urls]
             await drive(clients, urls, body, stream, max(100, total // 5))  # warm-up
-            cell = Cell(api, name, stream, concurrency, 0, 0.0, [], 0.0)
+            cell = Cell(f"{api}/{upstream}", name, stream, concurrency, 0, 0.0, [], 0.0)
             setups[name] = (urls, clients, proxy, cell)
         for _ in range(rounds):
             for urls, clients, proxy, cell in setups.values():
@@ -280,31 +381,33 @@ def measure(
 
 def report(cells: list[Cell]) -> None:
     print(
-        f"{'api':<9}{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}"
+        f"{'api/upstream':<17}{'stream':<7}{'conc':>5}  {'target':<7}{'req/s':>8}{'p50 ms':>9}"
         f"{'p99 ms':>9}{'cpu ms/call':>13}"
     )
     for c in cells:
         cpu = "-" if c.cpu_ms is None else f"{c.cpu_ms:.3f}"
         print(
-            f"{c.api:<9}{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}"
+            f"{c.api:<17}{str(c.stream):<7}{c.concurrency:>5}  {c.target:<7}{c.rate:>8.0f}"
             f"{c.p50:>9.3f}{c.p99:>9.3f}{cpu:>13}"
         )
     print()
+    print("added p50 over direct (ms) and server CPU per call (ms): relay, no-op mitmproxy, skycap")
     print(
-        f"{'api':<9}{'stream':<7}{'conc':>5}  {'+p50 vs noop':>13}{'+p50 vs direct':>15}"
-        f"{'+p99 vs noop':>13}{'+cpu vs noop':>13}{'rate/noop':>10}{'rate/direct':>12}"
+        f"{'api/upstream':<17}{'stream':<7}{'conc':>5}{'+p50 relay':>11}{'noop':>7}"
+        f"{'skycap':>8}{'cpu relay':>10}{'noop':>7}{'skycap':>8}{'skycap/relay p50, cpu':>23}"
     )
     index = {(c.api, c.target, c.stream, c.concurrency): c for c in cells}
     for c in cells:
         if c.target != "skycap":
             continue
-        noop = index[(c.api, "noop", c.stream, c.concurrency)]
-        direct = index[(c.api, "direct", c.stream, c.concurrency)]
-        cpu = c.cpu_ms - noop.cpu_ms if c.cpu_ms is not None and noop.cpu_ms is not None else 0
+        key = (c.api, c.stream, c.concurrency)
+        direct, relay, noop = (index[(key[0], t, *key[1:])] for t in ("direct", "relay", "noop"))
+        added = [t.p50 - direct.p50 for t in (relay, noop, c)]
+        cpu = [t.cpu_ms or 0.0 for t in (relay, noop, c)]
         print(
-            f"{c.api:<9}{str(c.stream):<7}{c.concurrency:>5}  {c.p50 - noop.p50:>13.3f}"
-            f"{c.p50 - direct.p50:>15.3f}{c.p99 - noop.p99:>13.3f}{cpu:>13.3f}"
-            f"{c.rate / noop.rate:>10.2f}{c.rate / direct.rate:>12.2f}"
+            f"{c.api:<17}{str(c.stream):<7}{c.concurrency:>5}{added[0]:>11.3f}{added[1]:>7.3f}"
+            f"{added[2]:>8.3f}{cpu[0]:>10.3f}{cpu[1]:>7.3f}{cpu[2]:>8.3f}"
+            f"{added[2] / added[0]:>15.2f}, {cpu[2] / cpu[0]:.2f}"
         )
 
 
@@ -318,34 +421,58 @@ def main() -> None:
         default="chat,messages,responses",
         help="comma-separated: chat, messages, responses",
     )
+    parser.add_argument(
+        "--upstream",
+        default="asyncio",
+        help="comma-separated: asyncio (the mock servers), threaded (Chat Completions only)",
+    )
+    parser.add_argument(
+        "--loop",
+        default="server",
+        choices=("server", "asyncio"),
+        help="the no-op proxy's and skycap's event loop: the one `skycap serve` runs "
+        "(uvloop where installed; default) or asyncio's own",
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         if args.role[0] == "upstream":
             role_upstream(args.role[1])
+        elif args.role[0] == "threaded":
+            role_threaded_upstream()
+        elif args.role[0] == "relay":
+            role_relay(args.role[1])
         else:
-            role_proxy(args.role[0], args.role[1])
+            role_proxy(args.role[0], args.role[1], args.role[2])
         return
     levels = [int(c) for c in args.concurrency.split(",")]
     os.environ[CONTROL_TOKEN_ENV] = new_control_token()  # the children inherit it
     cells = []
-    for api in args.api.split(","):
-        if api not in PATHS:
-            parser.error(f"--api takes chat, messages and/or responses, got {api!r}")
-        upstream = Child("upstream", api)
-        noop, skycap = Child("noop", upstream.url), Child("skycap", upstream.url)
-        targets = {
-            "direct": (upstream.url.removesuffix("/v1"), None),
-            "noop": (noop.url, noop),
-            "skycap": (skycap.url, skycap),
-        }
-        try:
-            for stream in (False, True):
-                for concurrency in levels:
-                    cells += measure(api, targets, stream, concurrency, args.requests, args.rounds)
-        finally:
-            for child in (noop, skycap, upstream):
-                child.stop()
+    for kind in args.upstream.split(","):
+        for api in args.api.split(","):
+            if api not in PATHS:
+                parser.error(f"--api takes chat, messages and/or responses, got {api!r}")
+            if kind not in ("asyncio", "threaded") or (kind == "threaded" and api != "chat"):
+                parser.error(f"--upstream {kind} does not serve --api {api}")
+            upstream = Child("threaded") if kind == "threaded" else Child("upstream", api)
+            relay = Child("relay", upstream.url)
+            noop = Child("noop", upstream.url, args.loop)
+            skycap = Child("skycap", upstream.url, args.loop)
+            targets = {
+                "direct": (upstream.url.removesuffix("/v1"), None),
+                "relay": (relay.url, relay),
+                "noop": (noop.url, noop),
+                "skycap": (skycap.url, skycap),
+            }
+            try:
+                for stream in (False, True):
+                    for concurrency in levels:
+                        cells += measure(
+                            api, kind, targets, stream, concurrency, args.requests, args.rounds
+                        )
+            finally:
+                for child in (relay, noop, skycap, upstream):
+                    child.stop()
     report(cells)
 
 

@@ -17,6 +17,10 @@ of the two reads' times from first to last token, divided by the tokens. Run:
 
     HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py
     HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py --streaming   # that part only
+    HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py --group   # GRPO group and burst only
+
+The group and burst cases (first calls of new trajectories: the render cache and the
+renderer pool built at start) are scripts/bench_group.py's.
 """
 
 from __future__ import annotations
@@ -472,6 +476,11 @@ def main() -> None:
     if "--streaming" in sys.argv[1:]:
         print_streaming(bench_streaming(str(folder)))
         return
+    from bench_group import bench_burst, bench_group, print_group
+
+    if "--group" in sys.argv[1:]:
+        print_group(asyncio.run(bench_group(str(folder))), asyncio.run(bench_burst(str(folder))))
+        return
     gc.callbacks.append(GC_CLOCK)
     turns = asyncio.run(bench_turns(str(folder)))
     bridge = asyncio.run(bench_bridge(str(folder)))
@@ -537,6 +546,8 @@ def main() -> None:
         print(f"{name:<58}{value:>14}  {target}")
     print()
     print_streaming(bench_streaming(str(folder)))
+    print()
+    print_group(asyncio.run(bench_group(str(folder))), asyncio.run(bench_burst(str(folder))))
 
 
 if __name__ == "__main__":

@@ -93,7 +93,9 @@ class CaptureService:
         except BaseException:  # e.g. a tokenizer that cannot load: free the process slot
             self._release_slot()
             raise
-        self._loop = asyncio.new_event_loop()
+        from skycap.server.runner import new_event_loop
+
+        self._loop = new_event_loop()
         self._stop_event = asyncio.Event()
         ready = threading.Event()
         self._thread = threading.Thread(

@@ -106,6 +106,7 @@ INNER_LAYERS = [
             "skycap.tokens.models",
             "skycap.tokens.outcome",
             "skycap.tokens.options",
+            "skycap.tokens.render_cache",
         ),
         (
             "skycap.tokens.memo_tokenizer",

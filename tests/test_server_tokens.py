@@ -147,3 +147,22 @@ def test_token_failures_count_in_healthz_and_rows_show_the_last_one(
     assert ended[0]["id"] == trajectory["id"] and ended[0]["status"] == "finished"
     assert ended[0]["failures"] == 2 and ended[0]["annotations"] == {"reward": 0}
     assert ended[0]["record"]["path"].endswith(f"{trajectory['id']}.json.zst")
+
+
+def test_a_group_first_call_is_a_render_cache_hit_counted_in_healthz(
+    server: ServerThread, control: Control
+) -> None:
+    task = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "group task"}]
+    before = control.http.get("/healthz").json()
+    prompts = []
+    for _ in range(3):
+        trajectory = control.create()
+        client = openai.OpenAI(
+            base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
+        )
+        prompts.append(client.chat.completions.create(model="p", messages=task).usage)
+    after = control.http.get("/healthz").json()
+    assert after["render_cache_hits"] - before["render_cache_hits"] == 2
+    assert after["render_cache_misses"] - before["render_cache_misses"] == 1
+    assert after["render_cache_bytes"] > before["render_cache_bytes"]
+    assert len({p.prompt_tokens for p in prompts}) == 1

@@ -141,6 +141,9 @@ def test_one_service_per_process_and_restart(tmp_path: Path):
             assert httpx.get(f"{url}/healthz").json()["ok"] is True
             # Server state is read on the server's own thread and loop.
             assert second.run_in_loop(threading.current_thread).name == "skycap"
+            # The server's loop is uvloop's, as `skycap serve`'s is (docs/performance.md).
+            loop = second.run_in_loop(asyncio.get_running_loop)
+            assert type(loop).__module__.startswith("uvloop")
             assert second.run_in_loop(lambda: second.server.store.health()["ok"]) is True
         finally:
             second.stop()

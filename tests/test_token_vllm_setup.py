@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -176,13 +177,14 @@ def test_the_start_line_names_the_model_and_the_logprobs_pairing(
         process = subprocess.Popen(
             [sys.executable, "-m", "skycap.cli.main", "serve", "--mode", "tokens"]
             + ["--upstream-url", engine.url, "--tokenizer", str(qwen3_dir)]
-            + ["--renderer", "qwen3", "--renderer-pool-size", "1", "--port", "0"],
+            + ["--renderer", "qwen3", "--renderer-pool-size", "1", "--port", "0"]
+            + ["--render-cache-mib", "64"],
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
         )
         try:
-            deadline, line = time.monotonic() + 60, ""
+            deadline, line = time.monotonic() + 120, ""
             while time.monotonic() < deadline and not line.startswith("token mode:"):
                 line = process.stderr.readline()
                 assert line or process.poll() is None, "skycap serve exited"
@@ -191,6 +193,8 @@ def test_the_start_line_names_the_model_and_the_logprobs_pairing(
             process.wait(timeout=30)
     assert "model served-policy (from the engine's /v1/models)" in line
     assert "logprobs_mode processed_logprobs" in line and "raw_logprobs" in line
+    # The pool is built before the server says it is ready, and says how long it took.
+    assert re.search(r"1 renderer slot built in \d+\.\d s; render cache 64 MiB", line)
 
 
 # -- generation defaults -------------------------------------------------------------------

@@ -350,6 +350,10 @@ def test_top_shows_every_column_at_160x45(token_run) -> None:
         assert row[-1].startswith('{"error":{"message":"s')  # the last failure's text
         server_row = dict(zip(_cells(lines[0]), _cells(lines[1]), strict=False))
         assert server_row["fail"] == str(health["failures_total"])
+        # A call retried after an engine failure renders its prompt from the render cache.
+        hits, held = server_row["cache hits"].split()
+        assert hits == str(health["render_cache_hits"]) and int(hits) > 0
+        assert held.endswith("B") and health["render_cache_bytes"] > 0
     finally:
         pane.kill()
 

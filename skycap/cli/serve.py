@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
     from skycap.server.addon import SkycapAddon
-    from skycap.server.runner import serve, settle_garbage_collector
+    from skycap.server.runner import new_event_loop, serve, settle_garbage_collector
 
     try:
         addon = SkycapAddon(options)  # token mode loads its tokenizer here
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         await serve(options, ready=ready, stop_event=stop, addons=[addon])
 
     try:
-        asyncio.run(main())
+        asyncio.run(main(), loop_factory=new_event_loop)
     except OSError as exc:
         print(f"skycap serve: error: {exc}", file=sys.stderr)
         return 1

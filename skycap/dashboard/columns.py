@@ -139,6 +139,7 @@ def server_columns() -> list[Column]:
         Column(
             "tok/s", lambda s: compact(s.tokens_per_s) if counts_tokens(s) else "-", 4, right=True
         ),
+        Column("cache hits", _render_cache, 5, right=True),
     ]
 
 
@@ -146,6 +147,14 @@ def counts_tokens(server: ServerState) -> bool:
     """The token columns are token mode's (docs/tools.md): a text-mode server shows `-`,
     since the usage an upstream reports is its own count, not tokens skycap saw."""
     return server.up and server.mode != "text"
+
+
+def _render_cache(server: ServerState) -> str:
+    """Token mode's render cache: prompts served from it, and the bytes it holds."""
+    hits, held = server.health.get("render_cache_hits"), server.health.get("render_cache_bytes")
+    if not server.up or hits is None:
+        return "-"
+    return f"{compact(hits)} {compact(held)}B"
 
 
 def total(servers: list[ServerState]) -> ServerState:
@@ -157,6 +166,10 @@ def total(servers: list[ServerState]) -> ServerState:
     summed.health["tokens_total"] = sum(
         int(s.health.get("tokens_total") or 0) for s in up if counts_tokens(s)
     )
+    for name in ("render_cache_hits", "render_cache_bytes"):
+        held = [int(s.health[name]) for s in up if name in s.health]
+        if held:
+            summed.health[name] = sum(held)
     modes = {s.mode for s in up}
     summed.health["capture"] = {"mode": modes.pop() if len(modes) == 1 else "mixed"}
     summed.calls_per_s = sum(s.calls_per_s or 0.0 for s in up) if up else None

@@ -208,6 +208,7 @@ class SkycapAddon:
             release=mode.release,
             decode_spans=mode.decode_spans,
             provenance=mode.provenance,
+            counters=mode.counters,
         )
         mode.attach(self.store)
         if options.proxy_port is not None:

@@ -13,6 +13,7 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--tokenizer NAME` | `tokenizer` | `skycap_tokenizer` |
 | `--renderer NAME` | `renderer_name` | `skycap_renderer` |
 | `--renderer-pool-size N` | `renderer_pool_size` | `skycap_renderer_pool_size` |
+| `--render-cache-mib N` | `render_cache_mib` | `skycap_render_cache_mib` |
 | `--chat-template-kwargs JSON` | `chat_template_kwargs` | `skycap_chat_template_kwargs` |
 | `--model NAME` | `model` | `skycap_model` |
 | `--max-model-len N` | `max_model_len` | `skycap_max_model_len` |
@@ -197,6 +198,14 @@ FLAGS: tuple[Flag, ...] = (
         "renderer_pool_size",
         "token mode: renderer slots (default 8)",
         convert=_number(int, "--renderer-pool-size"),
+        metavar="N",
+    ),
+    Flag(
+        "--render-cache-mib",
+        "render_cache_mib",
+        "token mode: MiB of rendered prompts kept for calls that repeat or extend one, such "
+        "as a GRPO group's first calls (default 256; 0 turns the cache off)",
+        convert=_number(int, "--render-cache-mib"),
         metavar="N",
     ),
     Flag(

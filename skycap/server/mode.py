@@ -54,13 +54,15 @@ class CallMode(Protocol):
     """One server's way of running calls; see the module docstring.
 
     `capture` is the record's capture block; `release` and `decode_spans` what the store
-    hands an ended trajectory's tokens to (token mode), else None. `renders` says whether
+    hands an ended trajectory's tokens to (token mode), else None; `counters` the mode's
+    own `/healthz` counters (token mode's render cache), else None. `renders` says whether
     skycap renders prompts itself (a dialect's `prepare` reads it).
     """
 
     capture: dict[str, Any]
     release: Callable[[str], Awaitable[None]] | None
     decode_spans: Callable[..., tuple[bytes, list[int]]] | None
+    counters: Callable[[], dict[str, int]] | None
     renders: bool
 
     def provenance(self) -> dict[str, Any]:

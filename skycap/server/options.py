@@ -198,6 +198,7 @@ class ServerOptions(TokenOptions):
         _positive(self.keepalive, "keepalive")
         _integer(self.max_body_size, "max_body_size", low=1)
         _integer(self.renderer_pool_size, "renderer_pool_size", low=1)
+        _integer(self.render_cache_mib, "render_cache_mib", low=0)
         _integer(self.port, "port", low=0, high=65535)
         if self.proxy_port is not None:
             _integer(self.proxy_port, "proxy_port", low=0, high=65535)

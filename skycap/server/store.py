@@ -73,6 +73,7 @@ class TrajectoryStore:
         release: Release | None = None,
         decode_spans: DecodeSpans | None = None,
         provenance: Callable[[], dict[str, Any]] | None = None,
+        counters: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.options = options
         self.capture = capture
@@ -87,6 +88,7 @@ class TrajectoryStore:
         if self.records.mirror is not None:
             self.episodes["mirror_copy"] = self.records.mirror.copies
         self._release = release
+        self._mode_counters = counters
         self._live: dict[str, Live] = {}
         # Trajectories that left memory after a context_length_exceeded refusal: the record
         # format has no field for it, so a repeat finish in this process still reports it.
@@ -384,6 +386,8 @@ class TrajectoryStore:
             "failures_total": self.failures_total,
             "ended_total": self.ended_total,
         }
+        if self._mode_counters is not None:
+            health.update(self._mode_counters())
         if self.records.mirror is not None:
             health["record_mirror"] = self.records.mirror.health()
         health["failing_causes"] = {

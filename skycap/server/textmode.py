@@ -72,6 +72,7 @@ class TextMode:
     capture: dict[str, Any] = {"mode": "text"}
     release = None
     decode_spans = None
+    counters = None
     renders = False
 
     def __init__(self, options: ServerOptions, conns: Connections, loopback: Loopback) -> None:

@@ -48,6 +48,7 @@ class TokenMode:
         self.release = self.backend.release
         self.provenance = self.backend.provenance
         self.decode_spans = self.backend.decode_spans
+        self.counters = self.backend.settings.cache_counters
         self.keepalive = options.keepalive
         self.logprobs_mode = options.logprobs_mode
         self.loopback = loopback
@@ -72,7 +73,7 @@ class TokenMode:
         return (
             f"token mode: {self.backend.served.describe()}; logprobs_mode "
             f"{self.logprobs_mode} (vLLM's --logprobs-mode must match: its default is "
-            "raw_logprobs)"
+            f"raw_logprobs); {self.backend.describe_pool()}"
         )
 
     async def models(

@@ -46,6 +46,7 @@ class TokenBackend:
         #: The engine's release, asked at start, and the renderer's part (provenance).
         self.engine_version: str | None = None
         self._renderer_provenance: dict[str, Any] | None = None
+        self._pool_seconds: float | None = None
 
     @classmethod
     def from_options(cls, options: TokenOptions) -> TokenBackend:
@@ -71,13 +72,18 @@ class TokenBackend:
         return self.served.name
 
     async def start(self) -> None:
-        """Learn the served model name from the engine's `/v1/models`, briefly.
+        """Build the renderer pool's slots, and learn the served model name from the
+        engine's `/v1/models`, briefly.
 
-        Retries with backoff for a few seconds here; if the engine is not up yet, keeps
-        retrying in the background, and the first call asks again.
+        The slots are built off the event loop, so the first calls of a burst load no
+        tokenizer. The model name is retried with backoff for a few seconds here; if the
+        engine is not up yet, it keeps retrying in the background, and the first call asks
+        again.
         """
+        filling = asyncio.create_task(asyncio.to_thread(self._pool.fill))
         await self.served.start(self.client.list_models)
         self.engine_version = await self.client.engine_version()
+        self._pool_seconds = await filling
         # Digesting the tokenizer's files reads megabytes: on a renderer thread, once.
         self._renderer_provenance = await self._pool.run(renderer_provenance)
 
@@ -88,6 +94,14 @@ class TokenBackend:
             self.served.name,
             self.engine_version,
         )
+
+    def describe_pool(self) -> str:
+        """The start banner's line about the renderer pool and the render cache."""
+        pool, cache = self._pool, self._pool.cache
+        built = "" if self._pool_seconds is None else f" built in {self._pool_seconds:.1f} s"
+        held = "render cache off" if cache is None else f"render cache {cache.max_bytes >> 20} MiB"
+        slots = "1 renderer slot" if pool.size == 1 else f"{pool.size} renderer slots"
+        return f"{slots}{built}; {held}"
 
     # -- a harness call -------------------------------------------------------------------
 

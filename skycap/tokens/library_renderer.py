@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -18,6 +20,13 @@ from skycap.tokens.provenance import text_digest, tokenizer_digest
 from skycap.tokens.renderer import Rendered, RenderError, starts_with, tool_call_id
 
 log = logging.getLogger(__name__)
+
+#: Library renderers whose render of a system or user message depends on nothing after it
+#: (read from their source; tests/test_render_cache.py holds it against fresh renders), so a
+#: cached prompt ending in such messages extends by rendering only what follows.
+EXTENDS_AFTER_USER = frozenset({"qwen3"})
+#: The roles a cached prompt may hold for `extend_render` to reuse it.
+PREFIX_ROLES = frozenset({"system", "user"})
 
 
 class LibraryRenderer:
@@ -40,9 +49,12 @@ class LibraryRenderer:
         self._tokenizer = load_tokenizer(self.name)
         self.renderer_name = resolve_renderer_name(renderer_name, self.name)
         self._provenance: dict[str, Any] | None = None
+        self._settings = (renderer_name, dict(chat_template_kwargs or {}))
         self._lib = create_library_renderer(
             MemoTokenizer(self._tokenizer), renderer_name, chat_template_kwargs, self.name
         )
+        config = getattr(self._lib, "config", None)
+        self._extends = getattr(config, "name", None) in EXTENDS_AFTER_USER
         self.stop_token_ids: list[int] = [int(t) for t in self._lib.get_stop_token_ids()]
         self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
         if self._backend is None:
@@ -69,6 +81,26 @@ class LibraryRenderer:
                 "renderer": self.renderer_name,
             }
         return self._provenance
+
+    @functools.cached_property
+    def render_digest(self) -> bytes:
+        """What this renderer's output is a function of besides its input: the tokenizer,
+        the chat template, the library renderer and its settings (the render cache's scope).
+        """
+        config = getattr(self._lib, "config", None)
+        parts = [
+            self._backend.to_str(),
+            getattr(self._tokenizer, "chat_template", None) or "",
+            f"{type(self._lib).__module__}.{type(self._lib).__qualname__}",
+            config.model_dump_json() if hasattr(config, "model_dump_json") else repr(config),
+            json.dumps(self._settings, sort_keys=True, default=repr),
+        ]
+        digest = hashlib.blake2b(digest_size=20)
+        for part in parts:
+            data = part.encode("utf-8", "surrogatepass")
+            digest.update(b"%d:" % len(data))
+            digest.update(data)
+        return digest.digest()
 
     @property
     def think_end_id(self) -> int | None:
@@ -104,6 +136,47 @@ class LibraryRenderer:
         except Exception as exc:  # the library raises assorted types on malformed messages
             raise self._failed("render these messages", exc) from exc
         return Rendered(_as_list(out.token_ids), _as_list(out.message_indices))
+
+    def extend_render(
+        self,
+        prefix: Rendered,
+        prefix_messages: list[dict[str, Any]],
+        new_messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+    ) -> Rendered | None:
+        """The render of prefix_messages + new_messages from `prefix` (their render), rendering
+        only the new messages; None where that would not be exactly a fresh render.
+
+        Reused only for a renderer in EXTENDS_AFTER_USER and a prefix of system and user
+        messages: their tokens then depend on nothing after them (Qwen3's stripping of
+        earlier reasoning touches assistant turns only, and a tool reply's wrap looks at
+        its neighbours). The prefix's generation prompt is dropped and its last turn close
+        bridged from, as a trajectory's turn is; the result must repeat the prefix's
+        tokens exactly up to its generation prompt.
+        """
+        if not self._extends or any(m.get("role") not in PREFIX_ROLES for m in prefix_messages):
+            return None
+        if _has_media(new_messages) or any(m.get("role") == "assistant" for m in new_messages):
+            return None
+        ids, indices = prefix.token_ids, prefix.message_indices
+        body = len(ids)
+        while body and indices[body - 1] == -1:
+            body -= 1
+        stops = set(self.stop_token_ids)
+        close = next((k for k in range(body - 1, -1, -1) if ids[k] in stops), None)
+        if close is None:
+            return None
+        bridged = self._library_bridge(ids[:close], ids[close : close + 1], new_messages, tools)
+        if bridged is None:
+            return None
+        full, tail = bridged
+        if full[:body] != ids[:body]:
+            return None
+        shift = len(prefix_messages)
+        added = tail[body - close - 1 :]
+        if len(added) != len(full) - body:
+            return None
+        return Rendered(full, [*indices[:body], *(i + shift if i >= 0 else -1 for i in added)])
 
     def bridge(
         self,

@@ -25,6 +25,7 @@ class TokenOptions:
     tokenizer: str | None = None
     renderer: Any = None
     renderer_pool_size: int = 8
+    render_cache_mib: int = 256
     renderer_name: str | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
     engine: Any = None

@@ -12,6 +12,7 @@ from skycap.tokens.client import EngineClient
 from skycap.tokens.engine import EngineWire, VLLMEngine
 from skycap.tokens.models import ServedModel
 from skycap.tokens.options import TokenOptions
+from skycap.tokens.render_cache import RenderCache
 from skycap.tokens.renderer_pool import RendererPool, renderer_pool
 from skycap.tokens.sampling import check_overrides, generation_folders, load_generation_config
 
@@ -67,6 +68,7 @@ class TokenSettings:
             options.renderer_name,
             options.chat_template_kwargs,
             options.renderer_pool_size,
+            _render_cache(options.render_cache_mib),
         )
         return cls(
             options=options,
@@ -81,6 +83,13 @@ class TokenSettings:
             think_end=getattr(pool.primary, "think_end_id", None),
         )
 
+    def cache_counters(self) -> dict[str, int]:
+        """The render cache's `/healthz` counters (zeros with the cache off)."""
+        cache = self.pool.cache
+        if cache is None:
+            return {"render_cache_hits": 0, "render_cache_misses": 0, "render_cache_bytes": 0}
+        return cache.counters()
+
     @property
     def skip_special_tokens(self) -> bool:
         return not self.options.keep_special_tokens
@@ -92,3 +101,10 @@ class TokenSettings:
         if self.options.reasoning_field == "both":
             return ("reasoning_content", "reasoning")
         return (self.options.reasoning_field,)
+
+
+def _render_cache(mib: int) -> RenderCache | None:
+    """The server's render cache of `mib` MiB (`--render-cache-mib`), or None for 0 (off)."""
+    if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
+        raise ValueError(f"render_cache_mib must be an integer >= 0, got {mib!r}")
+    return RenderCache(mib << 20) if mib else None
