@@ -190,6 +190,7 @@ def test_a_version_set_while_a_stream_is_held_labels_the_rest_of_it(
         )
         first = next(iter(stream))
         assert first is not None
+        engine.wait_until_held()  # both chunks before the gate generated under "7"
         assert rl(engine, "POST", "/finish_weight_update", weight_version="8")
         engine.resume_stream()
         list(stream)

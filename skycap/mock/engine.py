@@ -172,6 +172,7 @@ class ScriptedEngine:
         #: Streamed replies sent to their end.
         self.streams_finished = 0
         self._gate: tuple[int, threading.Event] | None = None
+        self._held = False
         self.requests: list[Request] = []
         self._faults: list[list[Any]] = []
         self._hangs: list[threading.Event] = []
@@ -256,6 +257,14 @@ class ScriptedEngine:
             if self._gate is not None:
                 self._gate[1].set()
             self._gate = None
+            self._held = False
+
+    def wait_until_held(self, timeout: float = 10.0) -> None:
+        """Block until a streamed reply waits at the `hold_stream` gate: every chunk before
+        it has been generated (TimeoutError otherwise)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._held, timeout):
+                raise TimeoutError(f"no streamed reply reached the held chunk in {timeout} s")
 
     def wait_for_abort(self, timeout: float = 5.0) -> str:
         """Block until a request was aborted; its id (TimeoutError otherwise)."""
@@ -427,6 +436,9 @@ class ScriptedEngine:
         with self._cond:
             gate = self._gate
         if gate is not None and gate[0] == index:
+            with self._cond:
+                self._held = True
+                self._cond.notify_all()
             gate[1].wait()
         delay = self.first_token_delay if index == 0 else self.stream_pause
         if delay:
