@@ -89,6 +89,7 @@ def run_codex(
     workdir: Path,
     compact: bool,
     config: tuple[str, ...] = (),
+    websockets: bool = False,
     timeout: float = 180.0,
 ) -> subprocess.CompletedProcess[str]:
     """`codex exec` on TASK, hermetic; `env` (the create's) is added to its environment."""
@@ -117,7 +118,8 @@ def run_codex(
             'model_provider="skycap"',
             "-c",
             f'model_providers.skycap={{name="skycap", base_url="{base_url}", '
-            'env_key="OPENAI_API_KEY", wire_api="responses", supports_websockets=false}',
+            'env_key="OPENAI_API_KEY", wire_api="responses", '
+            f"supports_websockets={str(websockets).lower()}}}",
         ]
     command += ["-c", f'model="{MODEL}"']
     if compact:

@@ -7,7 +7,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import orjson
 import pytest
@@ -258,17 +257,3 @@ async def test_agents_sdk_default_model_runs_multi_turn_streamed_and_chained(
         finished = control.finish(trajectory["id"]).json()
         assert len(finished["samples"]) == 1, mode
         await client.close()
-
-
-def test_a_websocket_upgrade_is_refused_with_426(control: Control) -> None:
-    trajectory = control.create()
-    headers = {
-        "connection": "Upgrade",
-        "upgrade": "websocket",
-        "sec-websocket-version": "13",
-        "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
-    }
-    response = httpx.get(f"{trajectory['base_url']}/responses", headers=headers)
-    assert response.status_code == 426
-    error = response.json()["error"]
-    assert error["code"] == "websocket_not_supported" and "HTTPS" in error["message"]

@@ -90,6 +90,8 @@ class Route:
     and `proxy` the path suffix it is matched by through the proxy listener. A `tail`
     ending in `/` is a prefix an id follows (`responses/{id}`); its `proxy` is then
     matched anywhere in the path. `refusal` is the message a NOT_CAPTURED route answers.
+    `websocket` marks a call route also taken as a WebSocket (a GET upgrade on the same
+    path), each client message one call (`server/websocket.py`).
     """
 
     kind: str
@@ -98,6 +100,7 @@ class Route:
     proxy: str
     action: str = CALL
     refusal: str = ""
+    websocket: bool = False
 
     @property
     def prefix(self) -> bool:

@@ -66,7 +66,7 @@ class ResponsesDialect:
     upstream_path = b"/responses"
     reply_id_key = "response_id"
     routes = (
-        Route("responses", "POST", "responses", "/v1/responses"),
+        Route("responses", "POST", "responses", "/v1/responses", websocket=True),
         Route(
             "compact",
             "POST",
