@@ -7,9 +7,10 @@ A scripted model (the Responses mock in text mode, the scripted engine with the 
 Qwen3 tokenizer in token mode) answers Codex's first call with a shell command
 (`exec_command`), then a final answer; Codex runs the command in between. `--provider
 base-url` points a Codex model provider at the trajectory's base URL
-(`wire_api = "responses"`, `supports_websockets = false`); `--provider default` keeps
-Codex's own OpenAI provider and runs it with the create's `env` (HTTPS_PROXY), so its
-calls to api.openai.com are captured through the proxy. `--compact` sets
+(`wire_api = "responses"`, `supports_websockets` false, or true with `--websockets`);
+`--provider default` keeps Codex's own OpenAI provider and runs it with the create's `env`
+(HTTPS_PROXY), so its calls to api.openai.com, over its WebSocket, are captured through
+the proxy. `--compact` sets
 `model_auto_compact_token_limit` low so Codex compacts its context mid-task. Codex runs
 hermetically: a temporary HOME and CODEX_HOME, `--ignore-user-config`, web search off.
 """
@@ -196,6 +197,7 @@ async def capture(
     compact: bool,
     workdir: Path,
     config: tuple[str, ...] = (),
+    websockets: bool = False,
 ) -> CodexRun:
     """Create a trajectory, run Codex in it, finish it; the run and what was captured."""
     from skycap import CapturePool
@@ -212,6 +214,7 @@ async def capture(
             workdir=workdir,
             compact=compact,
             config=config,
+            websockets=websockets,
         )
         seconds = time.monotonic() - started
         document = await trajectory.document()
@@ -267,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("text", "tokens"), default="text")
     parser.add_argument("--provider", choices=("base-url", "default"), default="base-url")
     parser.add_argument("--compact", action="store_true", help="make Codex compact mid-task")
+    parser.add_argument(
+        "--websockets",
+        action="store_true",
+        help="let the base-url provider use the WebSocket transport (supports_websockets)",
+    )
     parser.add_argument("--codex", default=None, help="the codex binary (default: .ci/npm or PATH)")
     parser.add_argument(
         "-c", dest="config", action="append", default=[], help="a Codex `-c KEY=VALUE` setting"
@@ -283,7 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         url = service.start()
         try:
             run = asyncio.run(
-                capture(url, binary, args.provider, args.compact, workdir, tuple(args.config))
+                capture(
+                    url,
+                    binary,
+                    args.provider,
+                    args.compact,
+                    workdir,
+                    tuple(args.config),
+                    args.websockets,
+                )
             )
         finally:
             service.stop()
@@ -293,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         usage = call.get("usage") or {}
         print(
             f"  call {index}: dialect={call.get('dialect', 'chat')} "
-            f"finish={call.get('finish_reason')} bridged={call.get('bridged')} usage={usage}"
+            f"finish={call.get('finish_reason')} bridged={call.get('bridged')} "
+            f"transport={call.get('transport', 'http')} usage={usage}"
         )
     print(f"{len(run.calls)} calls, {len(run.samples)} paths")
     if run.websocket_failures:

@@ -25,12 +25,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run(tmp_path: Path, mode: str, provider: str, compact: bool = False) -> codex_smoke.CodexRun:
+def run(
+    tmp_path: Path, mode: str, provider: str, compact: bool = False, websockets: bool = False
+) -> codex_smoke.CodexRun:
     assert BINARY is not None, "CI=true: the Codex CLI must be installed (.ci/run)"
     service, _model, stop_model = codex_smoke.serve(mode, provider, compact, tmp_path / "rec")
     url = service.start()
     try:
-        return asyncio.run(codex_smoke.capture(url, BINARY, provider, compact, tmp_path))
+        return asyncio.run(
+            codex_smoke.capture(url, BINARY, provider, compact, tmp_path, websockets=websockets)
+        )
     finally:
         service.stop()
         stop_model()
@@ -56,12 +60,23 @@ def test_codex_base_url_provider_is_one_path(tmp_path: Path, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["text", "tokens"])
-def test_codex_default_provider_through_the_proxy(tmp_path: Path, mode: str) -> None:
+def test_codex_default_provider_through_the_proxy_over_its_websocket(
+    tmp_path: Path, mode: str
+) -> None:
+    """Codex's own provider opens wss://api.openai.com/v1/responses first: captured through
+    the proxy, each turn a message continuing the last response by id."""
     outcome = run(tmp_path, mode, "default")
-    check_one_path(outcome, mode)
-    # Codex tries wss://api.openai.com/v1/responses first: skycap's 426 makes it fall back
-    # to HTTPS after that one attempt (a 404 or 403 would cost five attempts, ~7 s).
-    assert len(outcome.websocket_failures) == 1, outcome.stderr[-3000:]
+    calls = check_one_path(outcome, mode)
+    assert not outcome.websocket_failures, outcome.stderr[-3000:]
+    assert [c["transport"] for c in calls] == ["websocket", "websocket"]
+
+
+@pytest.mark.parametrize("mode", ["text", "tokens"])
+def test_codex_base_url_provider_with_websockets_is_one_path(tmp_path: Path, mode: str) -> None:
+    outcome = run(tmp_path, mode, "base-url", websockets=True)
+    calls = check_one_path(outcome, mode)
+    assert not outcome.websocket_failures, outcome.stderr[-3000:]
+    assert [c["transport"] for c in calls] == ["websocket", "websocket"]
 
 
 def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> None:
