@@ -375,6 +375,8 @@ def test_compact_is_refused_clearly(control: Control) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert "compact" in error["message"] and error["param"] is None
+    assert "base URL" in error["message"] and "/t/{id}/v1" in error["message"]
+    assert not calls_of(control, trajectory["id"])
 
 
 async def test_agents_sdk_default_model_runs_multi_turn_streamed_and_chained(

@@ -26,7 +26,7 @@ from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 import skycap.control_token as credential
 from skycap.certs import ensure_ca
-from skycap.dialects import CALL, NOT_CAPTURED, STORED_REPLY, Dialect, Route
+from skycap.dialects import CALL, STORED_REPLY, Dialect, Route
 from skycap.dialects import COUNT_TOKENS as COUNT_TOKENS_ACTION
 from skycap.dialects import MODELS as MODELS_ACTION
 from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
@@ -58,7 +58,7 @@ RECORD = "record"
 HARNESS_MISS, MISS, OVERSIZE = "harness-miss", "miss", "oversize"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture
-CHAT, MESSAGES, COUNT_TOKENS, RESPONSES, COMPACT, RESPONSE_GET = (
+CHAT, MESSAGES, COUNT_TOKENS, RESPONSES, RESPONSE_GET, COMPACT = (
     r.kind for d in routes.DIALECTS for r in d.routes
 )
 (MODELS,) = (r.kind for r in routes.SHARED)
@@ -458,14 +458,11 @@ class SkycapAddon:
             await self.harness.count_tokens(flow, trajectory_id, proxied, raw, suffix, dialect)
         elif route.action == MODELS_ACTION:
             await self.harness.models(flow, trajectory_id, proxied, suffix, dialect)
-        elif route.action == STORED_REPLY:
+        else:
+            assert route.action == STORED_REPLY
             reply_id = flow.request.path.partition("?")[0].rpartition("/")[2]
             suffix += reply_id.encode()
             await self.harness.stored_reply(flow, trajectory_id, proxied, reply_id, suffix, dialect)
-        else:
-            assert route.action == NOT_CAPTURED
-            logger.info("refused %s %s: not captured", flow.request.method, flow.request.path)
-            harness_error(flow, 400, route.refusal, "route_not_captured", dialect)
 
     async def _open_websocket(
         self, flow: http.HTTPFlow, state: FlowState, trajectory_id: str, dialect: Dialect
