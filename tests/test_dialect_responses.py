@@ -94,9 +94,13 @@ def test_codex_input_reads_into_chat_messages() -> None:
         "type": "function",
         "function": {"name": "exec_command", "parameters": {"type": "object"}, "strict": False},
     }
-    assert request.tools == [function, *TOOLS[1:]]  # other kinds as sent
-    assert request.extras["token_tools"] == [function]
-    assert request.extras["omitted_tools"] == ["multi_agent_v1", "web_search", "apply_patch"]
+    custom = {"type": "custom", "custom": {"name": "apply_patch", "format": {"type": "grammar"}}}
+    assert request.tools == [function, TOOLS[1], TOOLS[2], custom]  # other kinds as sent
+    assert [t["function"]["name"] for t in request.extras["token_tools"]] == [
+        "exec_command",
+        "apply_patch",
+    ]
+    assert request.extras["omitted_tools"] == ["web_search"]
     check_tool_results(request.messages)
 
 
@@ -124,7 +128,7 @@ def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
     assert read_items([message])[0]["content"] == [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
     ]
-    assert "token mode renders text only" in token_refusal({}, read_items([message]))
+    assert "token mode renders text only" in token_refusal({}, read_items([message]), [])
 
 
 @pytest.mark.parametrize(
@@ -132,9 +136,19 @@ def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
     [
         ([], None, "must be a JSON object"),
         ({"input": 3}, "input", "string or a list of items"),
-        ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call'"),
-        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'tool'"),
-        ({"input": [{"type": "compaction_trigger"}]}, "input[0].type", "remote compaction"),
+        ({"input": [{"role": 7, "content": "x"}]}, "input[0].role", "must be a string"),
+        ({"input": [{"type": "message", "content": "x"}]}, "input[0].role", "without a `role`"),
+        (
+            {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "exec"}]},
+            "input[0]",
+            "`input`",
+        ),
+        ({"input": "x", "tools": [{"type": "custom"}]}, "tools[0].name", "without a `name`"),
+        (
+            {"input": [{"type": "additional_tools", "role": "developer", "tools": {}}]},
+            "input[0].tools",
+            "list of objects",
+        ),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "conversations"),
         ({"input": "x", "previous_response_id": 7}, "previous_response_id", "response id"),
         ({"input": "x", "stream": "yes"}, "stream", "boolean"),
@@ -154,8 +168,8 @@ def test_bad_requests_name_the_field(body: Any, param: str | None, match: str) -
 
 def test_token_mode_refusals() -> None:
     body = {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}
-    assert "text.format type 'json_schema'" in token_refusal(body, [])
-    assert token_refusal({"input": "x", "text": {"format": {"type": "text"}}}, []) is None
+    assert "text.format type 'json_schema'" in token_refusal(body, [], [])
+    assert token_refusal({"input": "x", "text": {"format": {"type": "text"}}}, [], []) is None
 
 
 def test_tool_output_without_its_call_is_refused() -> None:

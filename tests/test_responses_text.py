@@ -163,13 +163,17 @@ def test_upstream_404_for_an_unknown_previous_response_id_reaches_the_harness(
 @pytest.mark.parametrize(
     ("input_", "param", "words"),
     [
-        ([{"type": "item_reference", "id": "msg_1"}], "input[0].type", "'item_reference'"),
+        ([{"role": 7, "content": "x"}], "input[0].role", "must be a string"),
         (
             [{"type": "function_call_output", "call_id": "call_x", "output": "1"}],
             "input",
             "matches no function_call",
         ),
-        ([{"role": "user", "content": [{"type": "input_file"}]}], "input[0].content[0]", "part"),
+        (
+            [{"role": "user", "content": [{"type": "input_text"}]}],
+            "input[0].content[0]",
+            "no string text",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_the_upstream(

@@ -21,10 +21,33 @@ from typing import Any
 import orjson
 
 from skycap.dialects import Request, tool_choice
-from skycap.wire import BodyError, json_type
+from skycap.dialects.opaque import kind_of, opaque, opaque_message, refusal
+from skycap.dialects.responses_tools import (
+    RequestError,
+    Tools,
+    custom_arguments,
+    qualified,
+    read_tools,
+)
+from skycap.wire import json_type
 
-#: The item types this dialect reads; anything else is refused with a 400 naming it.
-ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
+#: The dialect's name, on the opaque parts it keeps.
+DIALECT_NAME = "responses"
+
+#: The item types this dialect reads into canonical messages; others are kept as sent.
+ITEM_TYPES = (
+    "message",
+    "reasoning",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+)
+#: Items that declare tools inside the input (read into the request's tools, no message).
+ADDITIONAL_TOOLS = "additional_tools"
+#: Items that answer a call (a harness's tool result): their own message, never part of
+#: the assistant turn before them.
+RESULT_TYPES = ("function_call_output", "custom_tool_call_output")
 ROLES = ("user", "system", "developer", "assistant")
 #: Codex's remote compaction items (a request for one, and the opaque result it replays).
 COMPACTION_TYPES = ("compaction_trigger", "compaction")
@@ -44,10 +67,11 @@ SAMPLING_FIELDS = {
     "top_p": "top_p",
     "max_output_tokens": "max_tokens",
 }
-
-
-class RequestError(BodyError):
-    """A Responses request skycap refuses (a 400): the message, and `param` the field."""
+#: Fields that change no token but say something about the call: recorded under
+#: `token_neutral` by their dotted paths, never hashed (docs/format.md §9).
+TOKEN_NEUTRAL = ("client_metadata", "prompt_cache_key", "text.verbosity", "reasoning.context")
+#: The content part types read as text.
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
 def read_request(body: Any) -> Request:
@@ -55,8 +79,10 @@ def read_request(body: Any) -> Request:
 
     `messages` are the instructions (a leading system message) and the input; with
     `previous_response_id` the server puts the named response's history between them
-    (`with_history`). Tools: function tools in Chat Completions shape, other kinds as sent;
-    `extras["token_tools"]` and `extras["omitted_tools"]` say what token mode renders.
+    (`with_history`). Tools are the top-level ones, then those of `additional_tools`
+    items in input order (`responses_tools`); `extras["token_tools"]` and
+    `extras["omitted_tools"]` say what token mode renders. Items, parts and tools skycap
+    does not read are kept as sent (opaque parts) and make token mode refuse the call.
     """
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {json_type(body)}")
@@ -80,27 +106,33 @@ def read_request(body: Any) -> Request:
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise RequestError("`include` must be a list of strings", "include")
-    tools, token_tools, omitted = read_tools(body.get("tools"))
+    tools = Tools()
+    if body.get("tools") is not None:
+        read_tools(body["tools"], "tools", tools)
+    unread: list[tuple[str, Any]] = []
     messages = [{"role": "system", "content": instructions}] if instructions else []
-    messages += read_input(body.get("input"))
-    extras: dict[str, Any] = {"instructions": bool(instructions)}
+    messages += read_input(body.get("input"), tools, unread)
+    extras: dict[str, Any] = {"instructions": bool(instructions), "tools": tools}
     recorded: dict[str, Any] = {}
     if previous is not None:
         extras["previous_response_id"] = recorded["previous_response_id"] = previous
     if instructions:
         recorded["instructions"] = True
-    if omitted:
-        extras["token_tools"] = token_tools or None
-        extras["omitted_tools"] = omitted
+    if neutral := token_neutral(body):
+        recorded["token_neutral"] = neutral
+    if not tools.plain:
+        extras["token_tools"] = tools.rendered or None
+    if tools.omitted:
+        extras["omitted_tools"] = tools.omitted
     request = Request(
         body=body,
         messages=messages,
-        tools=tools or None,
+        tools=tools.canonical or None,
         model=body.get("model"),
         sampling=read_sampling(body),
         stream=body.get("stream") is True,
         extras=extras,
-        token_refusal=token_refusal(body, messages),
+        token_refusal=token_refusal(body, messages, unread),
         recorded=recorded,
     )
     return tool_choice.apply(request, *tool_choice.responses(body))
@@ -118,8 +150,31 @@ def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
     return {chat: body[key] for key, chat in SAMPLING_FIELDS.items() if body.get(key) is not None}
 
 
-def token_refusal(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> str | None:
+def token_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The token-neutral fields the request set, by dotted path."""
+    found: dict[str, Any] = {}
+    for path in TOKEN_NEUTRAL:
+        value: Any = body
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            found[path] = value
+    return found
+
+
+def token_refusal(
+    body: Mapping[str, Any], messages: list[dict[str, Any]], unread: list[tuple[str, Any]]
+) -> str | None:
     """Why token mode cannot run this request (text mode forwards it all the same), or None."""
+    for path, value in unread:
+        if kind_of(value) in COMPACTION_TYPES:
+            return (
+                f"{path} is a {kind_of(value)} item: remote compaction (Codex's default OpenAI "
+                "provider) cannot be rendered, its result being an opaque item no one could "
+                "train on; give Codex a model provider whose base_url is the trajectory's (it "
+                "then compacts with ordinary calls), or raise model_auto_compact_token_limit"
+            )
+        return refusal(value, path)
     if any(
         isinstance(part, dict) and part.get("type") == "image_url"
         for message in messages
@@ -146,162 +201,173 @@ def token_refusal(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> st
     return None
 
 
-def read_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """(canonical tools, the function tools alone, names of the tools left out of those).
-
-    Function tools become Chat Completions tools (what a chat template renders); other
-    kinds (`custom`, `namespace`, `web_search`, …) stay as sent, and are named in the
-    third list, by name or else type, for token mode's `omitted_tools`.
-    """
-    if tools is None:
-        return [], [], []
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RequestError("`tools` must be a list of objects", "tools")
-    canonical: list[dict[str, Any]] = []
-    functions: list[dict[str, Any]] = []
-    omitted: list[str] = []
-    for index, tool in enumerate(tools):
-        kind = tool.get("type")
-        if not isinstance(kind, str):
-            raise RequestError(f"tools[{index}] has no string `type`", f"tools[{index}].type")
-        if kind != "function":
-            name = tool.get("name")
-            omitted.append(name if isinstance(name, str) and name else kind)
-            canonical.append(tool)
-            continue
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise RequestError(
-                f"tools[{index}] is a function tool without a `name`", f"tools[{index}].name"
-            )
-        function = {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-        canonical.append(function)
-        functions.append(function)
-    return canonical, functions, omitted
-
-
-def read_input(value: Any) -> list[dict[str, Any]]:
-    """The `input` (a string or a list of items) as canonical messages."""
+def read_input(value: Any, tools: Tools, unread: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """The `input` (a string or a list of items) as canonical messages; the tools its
+    `additional_tools` items declare join `tools`, what it holds unread joins `unread`."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise RequestError(
             f"`input` must be a string or a list of items, got {json_type(value)}", "input"
         )
-    return read_items(value)
+    for index, item in enumerate(value):
+        if isinstance(item, dict) and item.get("type") == ADDITIONAL_TOOLS:
+            read_tools(item.get("tools"), f"input[{index}].tools", tools)
+    return read_items(value, unread)
 
 
-def read_items(items: list[Any]) -> list[dict[str, Any]]:
-    """Input or output items as canonical messages (an assistant run becomes one message)."""
+def read_items(
+    items: list[Any], unread: list[tuple[str, Any]] | None = None, where: str = "input"
+) -> list[dict[str, Any]]:
+    """Input or output items as canonical messages (an assistant run becomes one message).
+
+    An item of a type skycap does not read is kept as sent: inside the assistant run when
+    it has no role (a hosted tool call such as `web_search_call`), as a message of its
+    own when it has a role or answers a call the harness ran (`…_output`); its path and
+    value join `unread`.
+    """
     messages: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant message the current run builds
     for index, item in enumerate(items):
-        where = f"input[{index}]"
+        at = f"{where}[{index}]"
         if not isinstance(item, dict):
-            raise RequestError(f"{where} must be an object, got {json_type(item)}", where)
+            raise RequestError(f"{at} must be an object, got {json_type(item)}", at)
         kind = item.get("type", "message" if "role" in item else None)
-        if kind in COMPACTION_TYPES:
-            raise RequestError(
-                f"{where} is a {kind} item: remote compaction (Codex's default OpenAI "
-                "provider) is not captured by skycap, its result being an opaque item no one "
-                "could train on; give Codex a model provider whose base_url is the "
-                "trajectory's (it then compacts with ordinary calls), or raise "
-                "model_auto_compact_token_limit",
-                f"{where}.type",
-            )
-        if kind not in ITEM_TYPES:
-            raise RequestError(
-                f"{where} has item type {kind!r}, which skycap does not read; supported: "
-                + ", ".join(ITEM_TYPES),
-                f"{where}.type",
-            )
-        if kind == "message" and item.get("role") != "assistant":
+        if kind == ADDITIONAL_TOOLS:
             turn = None
-            messages.append(_message(item, where))
-        elif kind == "function_call_output":
+            continue
+        role = item.get("role")
+        if role is not None and not isinstance(role, str):
+            raise RequestError(f"{at}.role must be a string, got {json_type(role)}", f"{at}.role")
+        if kind == "message" and role is None:
+            raise RequestError(
+                f"{at} is a message without a `role`; use one of {', '.join(ROLES)}",
+                f"{at}.role",
+            )
+        if kind not in ITEM_TYPES or (kind == "message" and role not in ROLES):
+            if unread is not None:
+                unread.append((at, item))
+            if _in_turn(kind, item):
+                if turn is None:
+                    turn = {"role": "assistant", "content": None}
+                    messages.append(turn)
+                turn["content"] = _joined(turn["content"], [opaque(DIALECT_NAME, item)])
+            else:
+                turn = None
+                messages.append(opaque_message(DIALECT_NAME, item, role))
+        elif kind == "message" and role != "assistant":
             turn = None
-            messages.append(_tool_result(item, where))
+            messages.append(_message(item, at, unread))
+        elif kind in RESULT_TYPES:
+            turn = None
+            messages.append(_tool_result(item, at, unread))
         else:
             if turn is None:
                 turn = {"role": "assistant", "content": None}
                 messages.append(turn)
-            _fold(turn, kind, item, where)
+            _fold(turn, kind, item, at, unread)
     return messages
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = item.get("role")
-    if role not in ROLES:
-        raise RequestError(
-            f"{where}.role is {role!r}; use one of {', '.join(ROLES)}", f"{where}.role"
-        )
-    return {"role": role, "content": _content(item.get("content"), f"{where}.content")}
+def _in_turn(kind: Any, item: dict[str, Any]) -> bool:
+    """Whether an unread item belongs to the assistant turn around it: a roleless item
+    that is not a harness's answer to a call (a server-run tool's output is the model's)."""
+    if item.get("role") not in (None, "assistant"):
+        return False
+    if isinstance(kind, str) and kind.endswith("_output"):
+        return item.get("execution") == "server"
+    return kind not in COMPACTION_TYPES
 
 
-def _content(value: Any, where: str) -> Any:
+def _message(
+    item: dict[str, Any], where: str, unread: list[tuple[str, Any]] | None
+) -> dict[str, Any]:
+    return {
+        "role": item["role"],
+        "content": _content(item.get("content"), f"{where}.content", unread),
+    }
+
+
+def _content(value: Any, where: str, unread: list[tuple[str, Any]] | None) -> Any:
     """A string stays a string; parts become text (one text part is the plain string)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise RequestError(f"{where} must be a string or a list of parts", where)
-    parts = [_part(part, f"{where}[{i}]") for i, part in enumerate(value)]
+    parts = [_part(part, f"{where}[{i}]", unread) for i, part in enumerate(value)]
     if len(parts) == 1 and parts[0]["type"] == "text":
         return parts[0]["text"]
     return parts
 
 
-def _part(part: Any, where: str) -> dict[str, Any]:
+def _part(part: Any, where: str, unread: list[tuple[str, Any]] | None) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind in ("input_text", "output_text", "text", "refusal"):
+    if kind in TEXT_PARTS:
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise RequestError(f"{where} ({kind}) has no string text", where)
         return {"type": "text", "text": text}
-    if kind == "input_image":
-        url = part.get("image_url")
-        if not isinstance(url, str) or not url:
-            raise RequestError(
-                f"{where} is an input_image without an `image_url` (file ids are not "
-                "supported): send the image as a URL or data URL",
-                where,
-            )
+    url = part.get("image_url") if kind == "input_image" else None
+    if isinstance(url, str) and url:
         image: dict[str, Any] = {"url": url}
         if part.get("detail") is not None:
             image["detail"] = part["detail"]
         return {"type": "image_url", "image_url": image}
-    raise RequestError(
-        f"{where} has content part type {kind!r}; supported: input_text, output_text, "
-        "refusal, input_image",
-        where,
-    )
+    if unread is not None:
+        unread.append((where, part))
+    return opaque(DIALECT_NAME, part)
 
 
-def _tool_result(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_result(
+    item: dict[str, Any], where: str, unread: list[tuple[str, Any]] | None
+) -> dict[str, Any]:
     call_id = item.get("call_id")
     if not isinstance(call_id, str) or not call_id:
-        raise RequestError(f"{where} is a function_call_output without a `call_id`", where)
+        raise RequestError(f"{where} is a {item['type']} without a `call_id`", where)
     output = item.get("output")
-    content = output if isinstance(output, str) else _content(output, f"{where}.output")
+    content = output if isinstance(output, str) else _content(output, f"{where}.output", unread)
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
-def _fold(turn: dict[str, Any], kind: str, item: dict[str, Any], where: str) -> None:
+def _fold(
+    turn: dict[str, Any],
+    kind: str,
+    item: dict[str, Any],
+    where: str,
+    unread: list[tuple[str, Any]] | None,
+) -> None:
     """Add one assistant-side item to the run's message."""
     if kind == "message":
-        content = _content(item.get("content"), f"{where}.content")
+        content = _content(item.get("content"), f"{where}.content", unread)
         turn["content"] = _joined(turn["content"], content)
-    elif kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
-            if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
-                raise RequestError(f"{where} is a function_call without a string `{key}`", where)
-        call = {"id": item["call_id"], "type": "function"}
-        call["function"] = {"name": item["name"], "arguments": item["arguments"]}
-        turn.setdefault("tool_calls", []).append(call)
+    elif kind in ("function_call", "custom_tool_call"):
+        turn.setdefault("tool_calls", []).append(_call(kind, item, where))
     else:
         text = reasoning_text(item, where)
         if text is not None:
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
         kept = {k: item[k] for k in ("id", "summary", "encrypted_content") if item.get(k)}
         turn.setdefault("reasoning_items", []).append(kept)
+
+
+def _call(kind: str, item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function or custom tool call as a canonical function call, by the name the model
+    called (a namespace member's qualified name); a custom call's input is its one
+    argument, `{"input": …}` as compact JSON (docs/format.md §9)."""
+    value = "arguments" if kind == "function_call" else "input"
+    for key in ("call_id", "name", value):
+        if not isinstance(item.get(key), str) or (key != value and not item[key]):
+            raise RequestError(f"{where} is a {kind} without a string `{key}`", where)
+    namespace = item.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise RequestError(f"{where}.namespace must be a string", f"{where}.namespace")
+    name = qualified(namespace, item["name"])
+    arguments = item["arguments"] if kind == "function_call" else custom_arguments(item["input"])
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def reasoning_text(item: dict[str, Any], where: str) -> str | None:

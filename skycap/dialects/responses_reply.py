@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from skycap.dialects import ReplyData
+from skycap.dialects.responses_tools import Tools, custom_input
 
 #: The response fields echoed from the request, with the values the API reports when unset.
 ECHOED = {
@@ -40,12 +41,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-def output_items(message: dict[str, Any], response_id: str) -> list[dict[str, Any]]:
+def output_items(
+    message: dict[str, Any], response_id: str, tools: Tools | None = None
+) -> list[dict[str, Any]]:
     """The output items of an assistant message: reasoning, the message, function calls.
 
     The reasoning item is the one token mode issued (`reasoning_items`: its id and opaque
     `encrypted_content`); other item ids derive from `response_id`, so the same reply
-    always has the same items.
+    always has the same items. A call of a custom tool in `tools` (the request's) is a
+    `custom_tool_call` whose input is the call's `input` argument; a namespace member's
+    call names its member and namespace apart.
     """
     suffix = response_id.removeprefix("resp_")
     items: list[dict[str, Any]] = []
@@ -76,18 +81,28 @@ def output_items(message: dict[str, Any], response_id: str) -> list[dict[str, An
             }
         )
     for index, call in enumerate(message.get("tool_calls") or ()):
-        function = call.get("function") or {}
-        items.append(
-            {
-                "id": f"fc_{suffix}_{index}",
-                "type": "function_call",
-                "status": "completed",
-                "call_id": call.get("id"),
-                "name": function.get("name"),
-                "arguments": function.get("arguments"),
-            }
-        )
+        items.append(_call_item(call, f"{suffix}_{index}", tools or Tools()))
     return items
+
+
+def _call_item(call: dict[str, Any], suffix: str, tools: Tools) -> dict[str, Any]:
+    function = call.get("function") or {}
+    name, arguments = function.get("name"), function.get("arguments")
+    namespace, member = tools.members.get(name, (None, name))
+    if name in tools.custom:
+        item = {"id": f"ctc_{suffix}", "type": "custom_tool_call", "status": "completed"}
+        item |= {"call_id": call.get("id"), "name": member, "input": custom_input(arguments)}
+    else:
+        item = {"id": f"fc_{suffix}", "type": "function_call", "status": "completed"}
+        item |= {"call_id": call.get("id"), "name": member, "arguments": arguments}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def request_tools(reply: ReplyData) -> Tools | None:
+    """The tools the reply's request declared (how its calls are written)."""
+    return reply.request.extras.get("tools") if reply.request is not None else None
 
 
 def response_object(reply: ReplyData, *, final: bool = True) -> dict[str, Any]:
@@ -107,7 +122,7 @@ def response_object(reply: ReplyData, *, final: bool = True) -> dict[str, Any]:
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if final and incomplete else None,
         "model": reply.model,
-        "output": output_items(reply.message, reply.id) if final else [],
+        "output": output_items(reply.message, reply.id, request_tools(reply)) if final else [],
         "tools": request.get("tools") or [],
         "store": request.get("store") is not False,
         "usage": usage(reply) if final else None,
@@ -162,6 +177,11 @@ def _item_events(index: int, item: dict[str, Any]) -> Iterator[tuple[str, dict[s
             yield "response.output_text.delta", {**where, "delta": part["text"], "logprobs": []}
             yield "response.output_text.done", {**where, "text": part["text"], "logprobs": []}
             yield "response.content_part.done", {**where, "part": part}
+    elif kind == "custom_tool_call":
+        opening = {**item, "status": "in_progress", "input": ""}
+        yield "response.output_item.added", {"output_index": index, "item": opening}
+        yield "response.custom_tool_call_input.delta", {**at, "delta": item["input"]}
+        yield "response.custom_tool_call_input.done", {**at, "input": item["input"]}
     else:
         opening = {**item, "status": "in_progress", "arguments": ""}
         yield "response.output_item.added", {"output_index": index, "item": opening}

@@ -26,7 +26,7 @@ def read_response(response: Any) -> tuple[dict[str, Any], str, dict[str, Any] | 
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
         raise ValueError(f"no `output` list in the response: {response!r:.{_PREVIEW}}")
     try:
-        messages = read_items(response["output"])
+        messages = read_items(response["output"], where="output")
     except BodyError as exc:
         raise ValueError(f"the response's output cannot be read: {exc}") from None
     if len(messages) > 1 or any(m.get("role") != "assistant" for m in messages):

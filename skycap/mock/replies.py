@@ -22,6 +22,10 @@ class Reply:
 
     `finish_reason` defaults to `tool_calls` when there are tool calls, else `stop`;
     `usage` defaults to deterministic counts derived from the sizes of request and reply.
+    `hosted` are items or blocks in the API's own shape (a Responses `web_search_call`,
+    Anthropic server-tool or `redacted_thinking` blocks) that the mock sends as given,
+    after the reasoning and before the text. A Responses tool call may be
+    `{"type": "custom", "id", "custom": {"name", "input"}}` and carry a `namespace`.
     """
 
     content: str | None = None
@@ -29,6 +33,7 @@ class Reply:
     tool_calls: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    hosted: list[dict[str, Any]] | None = None
 
 
 ReplySpec = Reply | Mapping[str, Any]

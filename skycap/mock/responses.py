@@ -44,8 +44,8 @@ def echo_response(body: dict[str, Any]) -> Reply:
 
 
 def output_items(reply: Reply, number: int | str) -> list[dict[str, Any]]:
-    """The output items of `reply`: reasoning (with an opaque encrypted_content), the
-    message, then one function_call per tool call."""
+    """The output items of `reply`: reasoning (with an opaque encrypted_content), its
+    hosted items, the message, then one function_call (or custom_tool_call) per tool call."""
     items: list[dict[str, Any]] = []
     if reply.reasoning_content is not None:
         items.append(
@@ -57,6 +57,7 @@ def output_items(reply: Reply, number: int | str) -> list[dict[str, Any]]:
                 "encrypted_content": f"mock-encrypted-{number}",
             }
         )
+    items += reply.hosted or []
     if reply.content is not None:
         part = {"type": "output_text", "text": reply.content, "annotations": []}
         items.append(
@@ -68,17 +69,18 @@ def output_items(reply: Reply, number: int | str) -> list[dict[str, Any]]:
                 "content": [part],
             }
         )
-    for call in reply_tool_calls(reply):
-        items.append(
-            {
-                "id": f"fc_mock{number}_{len(items)}",
-                "type": "function_call",
-                "status": "completed",
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-            }
-        )
+    for call, scripted in zip(reply_tool_calls(reply), reply.tool_calls or [], strict=True):
+        item: dict[str, Any] = {"id": f"fc_mock{number}_{len(items)}", "status": "completed"}
+        if scripted.get("type") == "custom":
+            custom = scripted["custom"]
+            item |= {"type": "custom_tool_call", "call_id": call["id"]}
+            item |= {"name": custom["name"], "input": custom["input"]}
+        else:
+            item |= {"type": "function_call", "call_id": call["id"]}
+            item |= {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+        if "namespace" in scripted:
+            item["namespace"] = scripted["namespace"]
+        items.append(item)
     return items
 
 
@@ -163,6 +165,18 @@ def _item_events(index: int, item: dict[str, Any]) -> Iterator[tuple[str, dict[s
             yield "response.output_text.delta", {**where, "delta": piece, "logprobs": []}
         yield "response.output_text.done", {**where, "text": part["text"], "logprobs": []}
         yield "response.content_part.done", {**where, "part": part}
+    elif item["type"] == "custom_tool_call":
+        opening = {**item, "status": "in_progress", "input": ""}
+        yield "response.output_item.added", {"output_index": index, "item": opening}
+        for piece in pieces(item["input"]):
+            yield "response.custom_tool_call_input.delta", {**at, "delta": piece}
+        yield "response.custom_tool_call_input.done", {**at, "input": item["input"]}
+    elif item["type"] != "function_call":  # a hosted item (a web search call, …)
+        opening = {**item, "status": "in_progress"}
+        yield "response.output_item.added", {"output_index": index, "item": opening}
+        kind = f"response.{item['type']}"
+        yield f"{kind}.in_progress", at
+        yield f"{kind}.completed", at
     else:
         opening = {**item, "status": "in_progress", "arguments": ""}
         yield "response.output_item.added", {"output_index": index, "item": opening}
