@@ -42,6 +42,16 @@ COMPACTED_MARK = "Another language model started to solve this problem"
 #: The token total a text-mode reply reports to make Codex compact (with --compact).
 COMPACT_LIMIT = 1000
 MODEL = "mock-gpt"
+#: At its defaults Codex's one shell route is its `exec` tool (JavaScript calling nested
+#: tools), a `custom` tool in the `functions` namespace.
+EXEC_SOURCE = 'text(await tools.exec_command({cmd: "echo skycap-smoke"}))'
+#: A web search the upstream ran while answering (a hosted item Codex replays).
+WEB_SEARCH = {
+    "type": "web_search_call",
+    "id": "ws_smoke1",
+    "status": "completed",
+    "action": {"type": "search", "query": "skycap-smoke"},
+}
 
 
 def codex_binary() -> str | None:
@@ -91,9 +101,13 @@ def run_codex(
     compact: bool,
     config: tuple[str, ...] = (),
     websockets: bool = False,
+    defaults: bool = False,
     timeout: float = 180.0,
 ) -> subprocess.CompletedProcess[str]:
-    """`codex exec` on TASK, hermetic; `env` (the create's) is added to its environment."""
+    """`codex exec` on TASK, hermetic; `env` (the create's) is added to its environment.
+
+    `defaults` leaves Codex's model, web search and transport as shipped (a base-url
+    provider then says `supports_websockets`)."""
     home = workdir / "home"
     codex_dir = home / ".codex"  # --ignore-user-config: no config.toml is read from it
     codex_dir.mkdir(parents=True, exist_ok=True)
@@ -110,9 +124,9 @@ def run_codex(
         "--skip-git-repo-check",
         "--dangerously-bypass-approvals-and-sandbox",
         "--ignore-user-config",
-        "-c",
-        'web_search="disabled"',
     ]
+    if not defaults:
+        command += ["-c", 'web_search="disabled"']
     if base_url is not None:
         command += [
             "-c",
@@ -120,9 +134,10 @@ def run_codex(
             "-c",
             f'model_providers.skycap={{name="skycap", base_url="{base_url}", '
             'env_key="OPENAI_API_KEY", wire_api="responses", '
-            f"supports_websockets={str(websockets).lower()}}}",
+            f"supports_websockets={str(websockets or defaults).lower()}}}",
         ]
-    command += ["-c", f'model="{MODEL}"']
+    if not defaults:
+        command += ["-c", f'model="{MODEL}"']
     if compact:
         command += ["-c", f"model_auto_compact_token_limit={COMPACT_LIMIT}"]
     for setting in config:
@@ -144,18 +159,40 @@ def _input_text(body: dict[str, Any]) -> str:
     return json.dumps(body.get("input"))
 
 
-def responses_script(compact: bool) -> Any:
-    """Text mode's model: the command, then (after a compaction if asked) the answer."""
+def _tool_output(body: dict[str, Any]) -> bool:
+    """Whether the input answers a tool call (a function's or a custom tool's)."""
+    items = body.get("input")
+    return any(
+        isinstance(item, dict) and str(item.get("type", "")).endswith("_call_output")
+        for item in (items if isinstance(items, list) else [])
+    )
+
+
+def responses_script(compact: bool, defaults: bool = False) -> Any:
+    """Text mode's model: the command, then (after a compaction if asked) the answer; at
+    Codex's defaults the command runs through `exec` and the answer follows a web search."""
     from skycap.mock.upstream import Reply
 
     def answer(body: dict[str, Any]) -> Reply:
         text = _input_text(body)
         if COMPACTION_PROMPT in text:
             return Reply(content=SUMMARY)
-        if "function_call_output" in text or COMPACTED_MARK in text:
-            return Reply(reasoning_content="The command ran; I can answer.", content=ANSWER)
+        if _tool_output(body) or COMPACTED_MARK in text:
+            hosted = [WEB_SEARCH] if defaults else None
+            return Reply(reasoning_content="The command ran.", hosted=hosted, content=ANSWER)
         arguments = json.dumps({"cmd": COMMAND})
-        call = {"id": "call_smoke1", "function": {"name": "exec_command", "arguments": arguments}}
+        call: dict[str, Any] = {
+            "id": "call_smoke1",
+            "function": {"name": "exec_command", "arguments": arguments},
+        }
+        if defaults:
+            custom = {"name": "exec", "input": EXEC_SOURCE}
+            call = {
+                "type": "custom",
+                "id": "call_smoke1",
+                "namespace": "functions",
+                "custom": custom,
+            }
         usage = None
         if compact:
             total = COMPACT_LIMIT * 5
@@ -171,8 +208,9 @@ def responses_script(compact: bool) -> Any:
     return answer
 
 
-def engine_script(tokenizer: Any) -> Any:
-    """Token mode's model (Qwen3 text): the command, then the answer; a summary to compact."""
+def engine_script(tokenizer: Any, defaults: bool = False) -> Any:
+    """Token mode's model (Qwen3 text): the command, then the answer; a summary to compact.
+    At Codex's defaults the command runs through `functions.exec`."""
     from skycap.mock.engine import Reply
 
     def answer(body: dict[str, Any]) -> Reply:
@@ -183,6 +221,8 @@ def engine_script(tokenizer: Any) -> Any:
         if "<tool_response>" in last_user or COMPACTED_MARK in last_user:
             return Reply(f"<think>\nThe command ran.\n</think>\n\n{ANSWER}")
         call = json.dumps({"name": "exec_command", "arguments": {"cmd": COMMAND}})
+        if defaults:
+            call = json.dumps({"name": "functions.exec", "arguments": {"input": EXEC_SOURCE}})
         return Reply(
             f"<think>\nI should run the command.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
         )
@@ -198,6 +238,7 @@ async def capture(
     workdir: Path,
     config: tuple[str, ...] = (),
     websockets: bool = False,
+    defaults: bool = False,
 ) -> CodexRun:
     """Create a trajectory, run Codex in it, finish it; the run and what was captured."""
     from skycap import CapturePool
@@ -215,6 +256,7 @@ async def capture(
             compact=compact,
             config=config,
             websockets=websockets,
+            defaults=defaults,
         )
         seconds = time.monotonic() - started
         document = await trajectory.document()
@@ -226,16 +268,22 @@ async def capture(
 
 
 def serve(
-    mode: str, provider: str, compact: bool, record_dir: Path, **options: Any
+    mode: str,
+    provider: str,
+    compact: bool,
+    record_dir: Path,
+    defaults: bool = False,
+    **options: Any,
 ) -> tuple[Any, Any, Any]:
-    """(CaptureService, model stand-in, its stop) for `mode`; `options` go to the service."""
+    """(CaptureService, model stand-in, its stop) for `mode`, scripted for Codex at its
+    `defaults` or not; `options` go to the service."""
     from skycap import CaptureService
 
     proxy = {"proxy_port": 0} if provider == "default" else {}
     if mode == "text":
         from skycap.mock.responses import ScriptedResponsesUpstream
 
-        model = ScriptedResponsesUpstream(responses_script(compact))
+        model = ScriptedResponsesUpstream(responses_script(compact, defaults))
         url = model.start()
         service = CaptureService(url, record_dir=str(record_dir), **proxy, **options)
     else:
@@ -249,7 +297,7 @@ def serve(
         assert spec is not None and spec.submodule_search_locations
         folder = str(Path(spec.submodule_search_locations[0]) / "tokenizer_files")
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = ScriptedEngine(tokenizer, script=engine_script(tokenizer))
+        model = ScriptedEngine(tokenizer, script=engine_script(tokenizer, defaults))
         url = model.start()
         service = CaptureService(
             url,
@@ -275,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="let the base-url provider use the WebSocket transport (supports_websockets)",
     )
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="leave Codex's model, web search and WebSockets as shipped",
+    )
     parser.add_argument("--codex", default=None, help="the codex binary (default: .ci/npm or PATH)")
     parser.add_argument(
         "-c", dest="config", action="append", default=[], help="a Codex `-c KEY=VALUE` setting"
@@ -287,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="skycap-codex-") as tmp:
         workdir = Path(tmp)
-        service, _model, stop_model = serve(args.mode, args.provider, args.compact, workdir / "rec")
+        service, _model, stop_model = serve(
+            args.mode, args.provider, args.compact, workdir / "rec", args.defaults
+        )
         url = service.start()
         try:
             run = asyncio.run(
@@ -299,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                     workdir,
                     tuple(args.config),
                     args.websockets,
+                    args.defaults,
                 )
             )
         finally:

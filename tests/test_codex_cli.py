@@ -8,6 +8,7 @@ call and its output back, and the model answers. Without compaction that is one 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,14 +27,23 @@ pytestmark = pytest.mark.skipif(
 
 
 def run(
-    tmp_path: Path, mode: str, provider: str, compact: bool = False, websockets: bool = False
+    tmp_path: Path,
+    mode: str,
+    provider: str,
+    compact: bool = False,
+    websockets: bool = False,
+    defaults: bool = False,
 ) -> codex_smoke.CodexRun:
     assert BINARY is not None, "CI=true: the Codex CLI must be installed (.ci/run)"
-    service, _model, stop_model = codex_smoke.serve(mode, provider, compact, tmp_path / "rec")
+    service, _model, stop_model = codex_smoke.serve(
+        mode, provider, compact, tmp_path / "rec", defaults
+    )
     url = service.start()
     try:
         return asyncio.run(
-            codex_smoke.capture(url, BINARY, provider, compact, tmp_path, websockets=websockets)
+            codex_smoke.capture(
+                url, BINARY, provider, compact, tmp_path, websockets=websockets, defaults=defaults
+            )
         )
     finally:
         service.stop()
@@ -59,24 +69,27 @@ def test_codex_base_url_provider_is_one_path(tmp_path: Path, mode: str) -> None:
     check_one_path(run(tmp_path, mode, "base-url"), mode)
 
 
+@pytest.mark.parametrize("provider", ["default", "base-url"])
 @pytest.mark.parametrize("mode", ["text", "tokens"])
-def test_codex_default_provider_through_the_proxy_over_its_websocket(
-    tmp_path: Path, mode: str
+def test_codex_at_its_defaults_is_one_path_over_its_websocket(
+    tmp_path: Path, mode: str, provider: str
 ) -> None:
-    """Codex's own provider opens wss://api.openai.com/v1/responses first: captured through
-    the proxy, each turn a message continuing the last response by id."""
-    outcome = run(tmp_path, mode, "default")
+    """No model named, web search and WebSockets as shipped, through the proxy (Codex's own
+    provider) or a base-url provider with `supports_websockets`: every call is a WebSocket
+    message. Codex's body carries
+    its tools in an `additional_tools` item and runs the command through its custom `exec`
+    tool; in text mode the answer follows a web search the upstream ran. No 400, no 426."""
+    outcome = run(tmp_path, mode, provider, defaults=True)
     calls = check_one_path(outcome, mode)
     assert not outcome.websocket_failures, outcome.stderr[-3000:]
     assert [c["transport"] for c in calls] == ["websocket", "websocket"]
-
-
-@pytest.mark.parametrize("mode", ["text", "tokens"])
-def test_codex_base_url_provider_with_websockets_is_one_path(tmp_path: Path, mode: str) -> None:
-    outcome = run(tmp_path, mode, "base-url", websockets=True)
-    calls = check_one_path(outcome, mode)
-    assert not outcome.websocket_failures, outcome.stderr[-3000:]
-    assert [c["transport"] for c in calls] == ["websocket", "websocket"]
+    assert calls[0]["model"] != codex_smoke.MODEL  # Codex's own default model
+    (sample,) = outcome.samples
+    call, result, answer = sample.messages[-3:]
+    assert call["tool_calls"][0]["function"]["name"] == "functions.exec"
+    assert "skycap-smoke" in json.dumps(result["content"])  # what `exec` printed
+    if mode == "text":  # the web search stays in the answer's turn, as sent
+        assert answer["content"][0]["value"] == codex_smoke.WEB_SEARCH
 
 
 def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> None:
@@ -88,10 +101,14 @@ def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> N
     assert len(outcome.samples) >= 2  # compaction rewrites the history: a fork
 
 
-def test_codex_in_token_mode_outlasts_its_idle_timeout_on_a_slow_stream(tmp_path: Path) -> None:
+@pytest.mark.parametrize("websockets", [False, True])
+def test_codex_in_token_mode_outlasts_its_idle_timeout_on_a_slow_stream(
+    tmp_path: Path, websockets: bool
+) -> None:
     """Each generation is silent longer than Codex's (shortened) stream idle timeout before
-    its first token, then streams slowly; skycap's keep-alives keep Codex from dropping the
-    stream and retrying (which would sample the turn again and fork the path)."""
+    its first token, then streams slowly; skycap's keep-alives (events, or messages over
+    the WebSocket) keep Codex from dropping the stream and retrying (which would sample the
+    turn again and fork the path)."""
     assert BINARY is not None, "CI=true: the Codex CLI must be installed (.ci/run)"
     service, engine, stop_model = codex_smoke.serve(
         "tokens", "base-url", False, tmp_path / "rec", keepalive=0.25
@@ -101,7 +118,9 @@ def test_codex_in_token_mode_outlasts_its_idle_timeout_on_a_slow_stream(tmp_path
     idle = ("model_providers.skycap.stream_idle_timeout_ms=1000",)
     try:
         outcome = asyncio.run(
-            codex_smoke.capture(url, BINARY, "base-url", False, tmp_path, config=idle)
+            codex_smoke.capture(
+                url, BINARY, "base-url", False, tmp_path, config=idle, websockets=websockets
+            )
         )
     finally:
         service.stop()
