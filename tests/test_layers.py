@@ -66,7 +66,7 @@ INNER_LAYERS = [
         ),
         ("skycap.dialects.messages_writer", "skycap.dialects.responses_writer"),
         ("skycap.dialects.chat", "skycap.dialects.messages", "skycap.dialects.responses"),
-        ("skycap.dialects.responses_socket",),
+        ("skycap.dialects.responses_compact", "skycap.dialects.responses_socket"),
     ],
     [  # the record: the sidecar kinds sit between the layout and what reads and writes records
         ("skycap.record.layout", "skycap.record.frames"),
