@@ -236,3 +236,28 @@ def test_a_harness_that_leaves_mid_stream_still_gets_its_call_committed(
     calls = wait_for(lambda: calls_of(control, created["id"]), what="the commit")
     assert calls[0]["transport"] == "websocket"
     assert calls[0]["harness_saw_end"] is False
+
+
+def test_a_message_after_the_trajectory_ended_is_a_410_error_event(control: Control) -> None:
+    created = control.create()
+    question = [{"role": "user", "content": QUESTION}]
+
+    async def after_finish() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        headers = {"Authorization": f"Bearer {created['api_key']}"}
+        async with websockets.connect(socket_url(created), additional_headers=headers) as socket:
+            answers = []
+            for finish in (False, True):
+                if finish:
+                    await asyncio.to_thread(control.finish, created["id"])
+                await socket.send(create(input=question))
+                events = [json.loads(await socket.recv())]
+                while events[-1]["type"] not in END:
+                    events.append(json.loads(await socket.recv()))
+                answers.append(events)
+            return answers[0], answers[1]
+
+    answered, refused = asyncio.run(after_finish())
+    assert answered[-1]["type"] == "response.completed"
+    (event,) = refused
+    assert event["type"] == "error" and event["status"] == 410
+    assert event["error"]["code"] == "trajectory_closed"
