@@ -7,11 +7,14 @@ whole input, as Codex's incremental turns must; `generate: false` is answered wi
 call; errors come back as the API's `error` events and the connection goes on.
 """
 
+# The server, its scripted upstream and the control client are test_responses_text's
+# fixtures (a weather tool, then the answer), taken as arguments here.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -19,53 +22,11 @@ import orjson
 import pytest
 import websockets
 from server_fixtures import Control, ServerThread, wait_for
+from test_responses_text import ANSWER, QUESTION, TOOLS, control, server, upstream  # noqa: F401
 
 from skycap.mock.responses import ScriptedResponsesUpstream
-from skycap.mock.upstream import Reply
-from skycap.server.options import ServerOptions
 
-QUESTION = "What is the weather in Paris?"
-ANSWER = "It is sunny in Paris."
-CALL = {"id": "call_w1", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
-TOOLS = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    }
-]
 END = ("response.completed", "response.incomplete", "response.failed", "error")
-
-
-def weather(body: dict[str, Any]) -> Reply:
-    """Reasoning and a tool call until the input holds a tool result, then the answer."""
-    if "function_call_output" in orjson.dumps(body.get("input")).decode():
-        return Reply(reasoning_content="The tool answered.", content=ANSWER)
-    return Reply(reasoning_content="I should look it up.", tool_calls=[CALL])
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedResponsesUpstream]:
-    with ScriptedResponsesUpstream(weather) as mock:
-        yield mock
-
-
-@pytest.fixture(scope="module")
-def server(upstream: ScriptedResponsesUpstream) -> Iterator[ServerThread]:
-    thread = ServerThread(ServerOptions(upstream.base_url, upstream_timeout=5.0))
-    thread.start()
-    yield thread
-    thread.stop()
-
-
-@pytest.fixture
-def control(server: ServerThread, upstream: ScriptedResponsesUpstream) -> Iterator[Control]:
-    upstream.script = weather
-    upstream.clear_faults()
-    upstream.chunk_delay = 0.0
-    with Control(server.url) as client:
-        yield client
 
 
 def socket_url(created: dict[str, Any]) -> str:

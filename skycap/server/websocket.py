@@ -53,7 +53,6 @@ _NOT_PER_CALL = frozenset(
         b"transfer-encoding",
         b"idempotency-key",
         b"x-stainless-retry-count",
-        b"openai-beta",
     }
 )
 _READ = 1 << 16
@@ -104,6 +103,15 @@ def open_socket(flow: http.HTTPFlow, loopback: Loopback) -> None:
     data.headers.fields = ((b"host", b"127.0.0.1"), *fields)
 
 
+def _per_call(name: bytes, value: bytes) -> bool:
+    """Whether a handshake header goes on each call: not the upgrade's own (nor the beta
+    flag that asks for the WebSocket mode, which an HTTPS upstream would not expect)."""
+    name = name.lower()
+    if name in _NOT_PER_CALL or name.startswith(b"sec-websocket-"):
+        return False
+    return not (name == b"openai-beta" and b"websocket" in value.lower())
+
+
 class ResponsesSocket:
     """One captured WebSocket: its calls, run in order, and the connection-local state."""
 
@@ -133,11 +141,7 @@ class ResponsesSocket:
         self.client_conn = flow.client_conn
         request = flow.request
         self._origin = (request.scheme, request.host, request.port, request.path)
-        self._headers = tuple(
-            (k, v)
-            for k, v in request.headers.fields
-            if k.lower() not in _NOT_PER_CALL and not k.lower().startswith(b"sec-websocket-")
-        )
+        self._headers = tuple((k, v) for k, v in request.headers.fields if _per_call(k, v))
         self.continuation = Continuation()
         self._inbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
