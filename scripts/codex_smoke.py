@@ -45,6 +45,9 @@ MODEL = "mock-gpt"
 #: At its defaults Codex's one shell route is its `exec` tool (JavaScript calling nested
 #: tools), a `custom` tool in the `functions` namespace.
 EXEC_SOURCE = 'text(await tools.exec_command({cmd: "echo skycap-smoke"}))'
+#: What the API answers a remote compaction with: the history, summarised, as one opaque
+#: item Codex sends back in place of what it replaces.
+REMOTE_COMPACTION = {"type": "compaction", "id": "cmp_smoke1", "encrypted_content": SUMMARY}
 #: A web search the upstream ran while answering (a hosted item Codex replays).
 WEB_SEARCH = {
     "type": "web_search_call",
@@ -177,7 +180,9 @@ def responses_script(compact: bool, defaults: bool = False) -> Any:
         text = _input_text(body)
         if COMPACTION_PROMPT in text:
             return Reply(content=SUMMARY)
-        if _tool_output(body) or COMPACTED_MARK in text:
+        if '"compaction_trigger"' in text:  # remote compaction (Codex's own provider)
+            return Reply(hosted=[REMOTE_COMPACTION])
+        if _tool_output(body) or COMPACTED_MARK in text or '"compaction"' in text:
             hosted = [WEB_SEARCH] if defaults else None
             return Reply(reasoning_content="The command ran.", hosted=hosted, content=ANSWER)
         arguments = json.dumps({"cmd": COMMAND})

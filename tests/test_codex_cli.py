@@ -101,6 +101,30 @@ def test_codex_auto_compaction_is_captured_as_its_own_calls(tmp_path: Path) -> N
     assert len(outcome.samples) >= 2  # compaction rewrites the history: a fork
 
 
+def test_codex_remote_compaction_through_the_proxy_is_captured_as_a_call(tmp_path: Path) -> None:
+    """Codex's own provider compacts remotely: a call whose input ends in a
+    `compaction_trigger` item and whose answer is an opaque `compaction` item, both kept
+    as sent. It extends the task's path; the compacted history that follows branches."""
+    outcome = run(tmp_path, "text", "default", compact=True)
+    assert outcome.returncode == 0, outcome.stderr[-3000:]
+    assert "context compacted" in outcome.stderr
+    assert [c["finish_reason"] for c in outcome.calls] == ["tool_calls", "stop", "stop"]
+    task, after = sorted(outcome.samples, key=lambda s: len(s.messages), reverse=True)
+    trigger, compaction = task.messages[-2:]
+    assert trigger["content"][0]["value"]["type"] == "compaction_trigger"
+    assert compaction["content"][0]["value"] == codex_smoke.REMOTE_COMPACTION
+    assert after.messages[-2]["content"][0]["value"] == codex_smoke.REMOTE_COMPACTION
+
+
+def test_codex_remote_compaction_in_token_mode_is_refused_naming_the_base_url(
+    tmp_path: Path,
+) -> None:
+    outcome = run(tmp_path, "tokens", "default", compact=True)
+    assert outcome.returncode != 0
+    assert "compaction_trigger" in outcome.stderr and "base_url" in outcome.stderr
+    assert [c["finish_reason"] for c in outcome.calls] == ["tool_calls"]
+
+
 @pytest.mark.parametrize("websockets", [False, True])
 def test_codex_in_token_mode_outlasts_its_idle_timeout_on_a_slow_stream(
     tmp_path: Path, websockets: bool
