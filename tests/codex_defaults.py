@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import openai
+
 EXEC_GRAMMAR = (
     "\nstart: pragma_source | plain_source\npragma_source: PRAGMA_LINE NEWLINE SOURCE\n"
     "plain_source: SOURCE\n\nPRAGMA_LINE: /[ \\t]*\\/\\/ @exec:[^\\r\\n]*/\n"
@@ -125,3 +127,16 @@ CALLED = ["functions.exec", "functions.wait", "clock.sleep", "collaboration.spaw
 def body() -> dict[str, Any]:
     """A fresh copy of the captured body."""
     return copy.deepcopy(BODY)
+
+
+def send(client: openai.OpenAI, sent: dict[str, Any]) -> Any:
+    """One call through the openai SDK with `sent` as Codex sends it (fields the SDK does
+    not name go as they are); the response, from `response.completed` when streamed."""
+    rest = {k: v for k, v in sent.items() if k not in ("model", "input", "stream")}
+    if not sent.get("stream"):
+        return client.responses.create(model=sent["model"], input=sent["input"], extra_body=rest)
+    events = client.responses.create(
+        model=sent["model"], input=sent["input"], stream=True, extra_body=rest
+    )
+    (done,) = [e for e in events if e.type == "response.completed"]
+    return done.response

@@ -149,7 +149,7 @@ def test_text_parts_follow_the_chat_shape_and_images_need_text_mode() -> None:
             "input[0].tools",
             "list of objects",
         ),
-        ({"input": "x", "conversation": "conv_1"}, "conversation", "conversations"),
+        ({"input": "x", "background": True}, "background", "background responses"),
         ({"input": "x", "previous_response_id": 7}, "previous_response_id", "response id"),
         ({"input": "x", "stream": "yes"}, "stream", "boolean"),
         ({"input": "x", "tools": [{"name": "f"}]}, "tools[0].type", "no string `type`"),
@@ -170,6 +170,8 @@ def test_token_mode_refusals() -> None:
     body = {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}
     assert "text.format type 'json_schema'" in token_refusal(body, [], [])
     assert token_refusal({"input": "x", "text": {"format": {"type": "text"}}}, [], []) is None
+    conversation = read_request({"input": "x", "conversation": "conv_1"}).token_refusal
+    assert conversation is not None and conversation.startswith("conversations are not")
 
 
 def test_tool_output_without_its_call_is_refused() -> None:

@@ -221,7 +221,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
             400,
             "no earlier assistant message's tool_use",
         ),
-        ([{"role": "robot", "content": "hi"}], 400, "must be user or assistant"),
+        ([{"role": 7, "content": "hi"}], 400, "`messages[0].role` must be a string"),
     ],
 )
 def test_bad_input_gets_anthropic_errors(

@@ -330,6 +330,52 @@ def test_models_answer_in_anthropic_shape(control: Control) -> None:
             "prefill",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "toolu_1",
+                                "content": [
+                                    {
+                                        "type": "image",
+                                        "source": {"type": "url", "url": "https://x/y.png"},
+                                    }
+                                ],
+                            }
+                        ],
+                    },
+                ]
+            },
+            "(in a message or a tool result)",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search"}
+                            | {"input": {"query": "q"}},
+                            {"type": "text", "text": "found"},
+                        ],
+                    },
+                    {"role": "user", "content": "more"},
+                ]
+            },
+            "messages[1].content[0] has type 'server_tool_use', which token mode cannot render",
+        ),
     ],
 )
 def test_what_token_mode_cannot_run_is_a_clear_400(

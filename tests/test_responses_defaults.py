@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from codex_defaults import CALLED, EXEC_GRAMMAR, body
+from codex_defaults import CALLED, EXEC_GRAMMAR, body, send
 from server_fixtures import Control, ServerThread
 
 from skycap.dialects import ReplyData
@@ -217,17 +217,8 @@ def control(server: ServerThread) -> Iterator[Control]:
 
 
 def create(client: openai.OpenAI, sent: dict[str, Any]) -> dict[str, Any]:
-    """One call through the SDK with the body as Codex sends it; the response as a dict."""
-    rest = {k: v for k, v in sent.items() if k not in ("model", "input", "stream")}
-    if not sent.get("stream"):
-        return client.responses.create(
-            model=sent["model"], input=sent["input"], extra_body=rest
-        ).model_dump(exclude_none=True)
-    events = client.responses.create(
-        model=sent["model"], input=sent["input"], stream=True, extra_body=rest
-    )
-    (done,) = [e for e in events if e.type == "response.completed"]
-    return done.response.model_dump(exclude_none=True)
+    """One call with the body as Codex sends it; the response as a client sends it back."""
+    return send(client, sent).model_dump(exclude_none=True)
 
 
 def test_codex_at_its_defaults_is_forwarded_as_sent_and_recorded_as_one_path(
@@ -247,7 +238,6 @@ def test_codex_at_its_defaults_is_forwarded_as_sent_and_recorded_as_one_path(
         "exec",
     )
     second_body = body()
-    del second_body["stream"]  # a JSON reply this time
     second_body["input"] += [
         *first["output"],
         {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "hi"},
@@ -260,6 +250,7 @@ def test_codex_at_its_defaults_is_forwarded_as_sent_and_recorded_as_one_path(
         "message",
     ]
     third_body = body()
+    del third_body["stream"]  # a JSON reply this time
     third_body["input"] += [
         *second_body["input"][3:],
         *second["output"],

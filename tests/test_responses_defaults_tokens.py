@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from codex_defaults import CALLED, body
+from codex_defaults import CALLED, body, send
 from server_fixtures import Control, ServerThread, TextScript
 
 from skycap.mock.engine import ScriptedEngine
@@ -51,11 +51,6 @@ def control(server: ServerThread) -> Iterator[Control]:
         yield client
 
 
-def create(client: openai.OpenAI, sent: dict[str, Any]) -> Any:
-    rest = {k: v for k, v in sent.items() if k not in ("model", "input", "stream")}
-    return client.responses.create(model="policy", input=sent["input"], extra_body=rest)
-
-
 def test_codex_default_tools_render_and_a_custom_call_round_trips_on_one_path(
     control: Control, engine: ScriptedEngine, qwen3_tokenizer: Any
 ) -> None:
@@ -63,7 +58,7 @@ def test_codex_default_tools_render_and_a_custom_call_round_trips_on_one_path(
     client = openai.OpenAI(
         base_url=trajectory["base_url"], api_key=trajectory["api_key"], max_retries=0
     )
-    first = create(client, body())
+    first = send(client, body())
     prompt = qwen3_tokenizer.decode(engine.requests[-1].body["token_ids"])
     assert all(f'"name": "{name}"' in prompt for name in CALLED)
     assert "lark grammar" in prompt
@@ -75,11 +70,12 @@ def test_codex_default_tools_render_and_a_custom_call_round_trips_on_one_path(
         CODE,
     )
     second_body = body()
+    del second_body["stream"]  # a JSON reply this time
     second_body["input"] += [
         *[item.model_dump(exclude_none=True) for item in first.output],
         {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "hi"},
     ]
-    second = create(client, second_body)
+    second = send(client, second_body)
     assert second.output_text == "hi"
     document = control.document(trajectory["id"]).json()
     calls = [c for node in document["nodes"] for c in node["calls"]]
@@ -100,7 +96,7 @@ def test_what_token_mode_cannot_render_is_refused_at_the_first_call(
     sent["input"].append({"type": "web_search_call", "id": "ws_1", "status": "completed"})
     before = len(engine.requests)
     with pytest.raises(openai.BadRequestError) as caught:
-        create(client, sent)
+        send(client, sent)
     message = caught.value.body["message"]
     assert message.startswith("input[3] has type 'web_search_call'")
     assert "--mode text" in message and len(engine.requests) == before

@@ -1,7 +1,9 @@
 """OpenAI Chat Completions, the first dialect: its requests, replies, streams and errors.
 
 The canonical form is this API's own message shape, so reading a request only
-checks it (http.md §3 step 4) and folds the token-neutral spellings (format.md §9).
+checks it (http.md §3 step 4) and folds the token-neutral spellings (format.md §9); a
+content part of a type skycap does not read (`input_audio`, `file`, …) is kept as sent,
+as an opaque part (`skycap.dialects.opaque`), which token mode refuses.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from skycap.dialects.chat_writer import (
     reply_head,
     usage_of,
 )
+from skycap.dialects.opaque import opaque, refusal
 from skycap.dialects.sse import EventStream, StreamError
 from skycap.wire import BodyError, json_type
 
@@ -43,6 +46,9 @@ SAMPLING_KEYS = (
 #: `--reasoning-field` choices: the keys a token-mode reply carries the reasoning text under.
 REASONING_FIELDS = ("both", "reasoning_content", "reasoning")
 
+#: The content part types skycap reads (renders); others are kept as opaque parts.
+READ_PARTS = ("text", "image_url", "refusal")
+
 MESSAGES_MESSAGE = "`messages` must be a list of objects"
 N_MESSAGE = "`n` > 1 is not supported: one call produces one sample"
 
@@ -63,6 +69,25 @@ def check_chat_request(body: Any) -> dict[str, Any]:
         if type(n) is not int or n != 1:
             raise BodyError(N_MESSAGE)
     return body
+
+
+def read_message(
+    message: dict[str, Any], where: str, unread: list[tuple[str, Any]]
+) -> dict[str, Any]:
+    """A message in canonical form; its unread parts become opaque parts, their JSON
+    paths and values joining `unread`."""
+    out = canonical.chat_message(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in READ_PARTS:
+                parts.append(part)
+            else:
+                unread.append((f"{where}.content[{j}]", part))
+                parts.append(opaque("chat", part))
+        out["content"] = parts
+    return out
 
 
 def recorded_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -246,7 +271,7 @@ def reply_message(parsed: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
     if not isinstance(choice.get("message"), dict):
         raise ValueError("the first choice has no message object")
     return (
-        canonical.chat_message(choice["message"]),
+        read_message(choice["message"], "choices[0].message", []),
         choice.get("finish_reason"),
         parsed.get("usage"),
     )
@@ -272,14 +297,22 @@ class ChatDialect:
         body = check_chat_request(body)
         tools = body.get("tools")
         extras = {k: body[k] for k in ("cache_salt", "max_prompt_tokens") if k in body}
+        unread: list[tuple[str, Any]] = []
+        messages = [
+            read_message(m, f"messages[{i}]", unread) for i, m in enumerate(body["messages"])
+        ]
+        for k, tool in enumerate(tools if isinstance(tools, list) else ()):
+            if isinstance(tool, dict) and tool.get("type") not in (None, "function"):
+                unread.append((f"tools[{k}]", tool))  # a custom or hosted tool: not rendered
         request = Request(
             body=body,
-            messages=[canonical.chat_message(m) for m in body["messages"]],
+            messages=messages,
             tools=tools if isinstance(tools, list) and tools else None,
             model=body.get("model"),
             sampling=recorded_sampling(body),
             stream=body.get("stream") is True,
             extras=extras,
+            token_refusal=refusal(unread[0][1], unread[0][0]) if unread else None,
         )
         return tool_choice.apply(request, *tool_choice.chat(body))
 

@@ -7,8 +7,11 @@ content (one block is its string); `tool_use` blocks become `tool_calls` with th
 `role: "tool"` messages (`is_error` kept when true); `thinking` blocks become
 `reasoning_content` plus `thinking_blocks` (with their signatures), `redacted_thinking`
 is kept in `thinking_blocks`; images become `image_url` parts. `cache_control` is dropped.
-The same reading applies to a reply skycap answered and to the history a client re-sends,
-so a replayed conversation lands on the nodes it came from.
+Blocks of other types (server tools' `server_tool_use` and `web_search_tool_result`,
+documents, …) and messages of other roles are kept as sent, as opaque parts
+(`skycap.dialects.opaque`), which token mode refuses. The same reading applies to a reply
+skycap answered and to the history a client re-sends, so a replayed conversation lands on
+the nodes it came from.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from skycap.dialects.messages_reply import (
 )
 from skycap.dialects.messages_stream import MessagesAssembler
 from skycap.dialects.messages_writer import MessagesWriter
+from skycap.dialects.opaque import opaque, opaque_message, refusal
 from skycap.hashing import token_digest
 from skycap.wire import BodyError, json_type
 
@@ -59,7 +63,18 @@ _FINISH_REASONS = {
 SIGNATURE_PREFIX = "skycap-"
 BILLING_PREFIX = "x-anthropic-billing-header:"
 MAX_TOKENS_REQUIRED = "`max_tokens` is required: the Messages API needs it, and token mode uses it"
-IMAGES_REFUSED = "images are not supported in token mode yet; send text, or use text mode"
+IMAGES_REFUSED = (
+    "images are not supported in token mode yet (in a message or a tool result); send "
+    "text, or capture this harness in text mode (--mode text)"
+)
+#: The block types read into canonical form, by the role whose content holds them.
+READ_BLOCKS = {
+    "system": ("text", "image"),
+    "user": ("text", "image", "tool_result"),
+    "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
+    "tool_result": ("text", "image"),
+}
+ROLES = ("user", "assistant", "system")
 PREFILL_REFUSED = (
     "a final assistant message (prefill) is not supported in token mode; end the "
     "conversation with a user message"
@@ -100,9 +115,15 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _unmarked(value: dict[str, Any]) -> dict[str, Any]:
+    """A block or tool without its `cache_control` marker (it moves every turn)."""
+    return {k: v for k, v in value.items() if k not in canonical.PART_DROPPED}
+
+
 def _other(block: dict[str, Any]) -> dict[str, Any]:
-    """A block this mapping does not interpret, kept as sent without its markers."""
-    return {k: v for k, v in block.items() if k not in canonical.PART_DROPPED}
+    """A block this mapping does not read: an opaque part holding it as sent, without its
+    `cache_control` marker."""
+    return opaque("messages", _unmarked(block))
 
 
 def _user_part(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -234,7 +255,7 @@ def _tools(tools: Any) -> tuple[list[Any] | None, str | None]:
                 function["description"] = tool["description"]
             out.append({"type": "function", "function": function})
         else:
-            out.append(_other(tool))
+            out.append(_unmarked(tool))
             refusal = refusal or (
                 f"`tools[{k}]` is a server tool ({tool.get('type')!r}); token mode runs "
                 "only tools with an input_schema"
@@ -278,8 +299,10 @@ def read_request(body: Any) -> Request:
             system = _system(message.get("content"), _where(i))
             if system is not None:
                 messages.append(system)
+        elif isinstance(role, str):
+            messages.append(opaque_message("messages", _unmarked(message), role))
         else:
-            raise BodyError(f"`messages[{i}].role` must be user or assistant, got {role!r}")
+            raise BodyError(f"`messages[{i}].role` must be a string, got {json_type(role)}")
     tools, tool_refusal = _tools(body.get("tools"))
     sampling = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
     stop = _stop_sequences(body.get("stop_sequences"))
@@ -315,12 +338,41 @@ def _token_refusal(
     """Why token mode cannot run this request, or None (checked in this order)."""
     if body.get("max_tokens") is None:
         return MAX_TOKENS_REQUIRED
+    unread = _first_unread(body)
+    if unread is not None:
+        return refusal(unread[1], unread[0])
     if _has_image(messages):
         return IMAGES_REFUSED
     if tool_refusal is not None:
         return tool_refusal
     if messages and messages[-1]["role"] == "assistant":
         return PREFILL_REFUSED
+    return None
+
+
+def _first_unread(body: dict[str, Any]) -> tuple[str, Any] | None:
+    """(JSON path, value) of the request's first block or message that reading kept opaque."""
+    system = body.get("system")
+    found = _unread_blocks(system, "system", "system") if isinstance(system, list) else None
+    for i, message in enumerate(body["messages"]):
+        if found is not None:
+            break
+        role = message.get("role")
+        if role not in ROLES:
+            return f"messages[{i}]", {"type": f"{role} message"}
+        found = _unread_blocks(message.get("content"), role, _where(i))
+    return found
+
+
+def _unread_blocks(blocks: Any, holder: str, where: str) -> tuple[str, Any] | None:
+    for j, block in enumerate(blocks if isinstance(blocks, list) else ()):
+        at = f"{where}[{j}]"
+        if block["type"] not in READ_BLOCKS[holder]:
+            return at, block
+        if block["type"] == "tool_result":
+            inner = _unread_blocks(block.get("content"), "tool_result", f"{at}.content")
+            if inner is not None:
+                return inner
     return None
 
 

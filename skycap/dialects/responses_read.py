@@ -54,12 +54,17 @@ COMPACTION_TYPES = ("compaction_trigger", "compaction")
 #: Token mode's `encrypted_content`: this prefix, then base64url of a small JSON object
 #: holding the reasoning text and the digest of the completion it came from.
 REASONING_TOKEN_PREFIX = "skycap.r1."
-#: Request keys that ask for server-side features skycap does not provide.
+#: Request keys that ask for server-side features skycap does not provide: a background
+#: response has no reply to record, so it is refused in both modes.
 UNSUPPORTED_KEYS = {
-    "conversation": "conversations are not supported: send the history in `input` "
-    "(or use previous_response_id)",
     "background": "background responses are not supported: call without `background`",
-    "prompt": "prompt templates are not supported: send `instructions` and `input`",
+}
+#: Keys whose content the upstream holds: text mode forwards them and records what was
+#: sent; token mode, which has no such content to render, refuses them.
+SERVER_SIDE_KEYS = {
+    "conversation": "conversations are not supported in token mode: send the history in "
+    "`input` (or use previous_response_id)",
+    "prompt": "prompt templates are not supported in token mode: send `instructions` and `input`",
 }
 #: Request keys read as sampling, with the chat name they are recorded under (format.md §4).
 SAMPLING_FIELDS = {
@@ -166,6 +171,9 @@ def token_refusal(
     body: Mapping[str, Any], messages: list[dict[str, Any]], unread: list[tuple[str, Any]]
 ) -> str | None:
     """Why token mode cannot run this request (text mode forwards it all the same), or None."""
+    for key, why in SERVER_SIDE_KEYS.items():
+        if body.get(key) not in (None, False):
+            return why
     for path, value in unread:
         if kind_of(value) in COMPACTION_TYPES:
             return (

@@ -117,7 +117,7 @@ def messages(body: dict[str, Any]) -> tuple[Any, bool | None]:
     kind = choice.get("type")
     if kind == "tool":
         canonical: Any = _named(choice.get("name"), "tool_choice")
-    elif kind in ANTHROPIC_MODES:
+    elif isinstance(kind, str) and kind in ANTHROPIC_MODES:
         canonical = ANTHROPIC_MODES[kind]
     else:
         raise BodyError(

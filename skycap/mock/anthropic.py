@@ -5,8 +5,11 @@
 text, `tool_use` with `input_json_delta` pieces, `message_delta`, `message_stop`) and
 `POST /v1/messages/count_tokens`. Scripts, `fail_next` faults (status, garbage, no reply,
 hang, a stream broken mid-way, sleep) and `requests` work as there; a `Reply`'s
-`reasoning_content` is answered as a thinking block signed `sig-<n>`, its OpenAI-shaped
-`tool_calls` as `tool_use` blocks with `toolu_mock_<i>` ids.
+`reasoning_content` is answered as a thinking block signed `sig-<n>`, its `hosted` blocks
+(`redacted_thinking`, a server tool's `server_tool_use` and `web_search_tool_result`) as
+given after it, its OpenAI-shaped `tool_calls` as `tool_use` blocks with `toolu_mock_<i>`
+ids. Streamed, a `server_tool_use` input comes in `input_json_delta` pieces as a
+`tool_use`'s does; other hosted blocks come whole in their `content_block_start`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def message_blocks(reply: Reply, reply_id: str) -> list[dict[str, Any]]:
         blocks.append(
             {"type": "thinking", "thinking": reply.reasoning_content, "signature": signature}
         )
+    blocks += reply.hosted or []
     if reply.content:
         blocks.append({"type": "text", "text": reply.content})
     for i, call in enumerate(reply.tool_calls or ()):
@@ -128,8 +132,10 @@ def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
     elif kind == "text":
         opening = {"type": "text", "text": ""}
         deltas = [{"type": "text_delta", "text": p} for p in pieces(block["text"])]
+    elif kind not in ("tool_use", "server_tool_use"):
+        opening, deltas = block, []
     else:
-        opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+        opening = {"type": kind, "id": block["id"], "name": block["name"], "input": {}}
         arguments = json.dumps(block["input"])
         deltas = [{"type": "input_json_delta", "partial_json": p} for p in pieces(arguments)]
     events = [_event("content_block_start", {"index": index, "content_block": opening})]

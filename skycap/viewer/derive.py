@@ -136,6 +136,8 @@ def message_text(message: Any) -> str:
             part = as_dict(part)
             if isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif part.get("type") == "opaque":  # kept as sent: name what it holds
+                parts.append(f"[{as_dict(part.get('value')).get('type') or 'opaque'}]")
             elif part.get("type"):
                 parts.append(f"[{part['type']}]")
     for call in as_list(message.get("tool_calls")):

@@ -144,7 +144,11 @@ export function messageText(message) {
   else if (Array.isArray(content)) {
     for (const part of content) {
       if (part && typeof part.text === "string") parts.push(part.text);
-      else if (part && part.type) parts.push(`[${part.type}]`);
+      else if (part && part.type === "opaque") {
+        // Kept as sent: name what it holds.
+        const held = part.value && typeof part.value === "object" ? part.value.type : null;
+        parts.push(`[${held || "opaque"}]`);
+      } else if (part && part.type) parts.push(`[${part.type}]`);
     }
   }
   for (const call of Array.isArray(message.tool_calls) ? message.tool_calls : []) {
