@@ -62,6 +62,28 @@ FOLLOW_UP = "What did the command print?"
 SUMMARY_ASK = "<summary> block"
 SUMMARY = "<analysis>Ran echo.</analysis>\n<summary>The command printed skycap-ok.</summary>"
 CONTINUED = "This session is being continued from a previous conversation"
+#: Blocks the API adds to a reply (text mode): redacted thinking and a web search it ran.
+HOSTED = (
+    {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"},
+    {
+        "type": "server_tool_use",
+        "id": "srvtoolu_smoke1",
+        "name": "web_search",
+        "input": {"query": MARKER},
+    },
+    {
+        "type": "web_search_tool_result",
+        "tool_use_id": "srvtoolu_smoke1",
+        "content": [
+            {
+                "type": "web_search_result",
+                "url": "https://example.com/skycap",
+                "title": "skycap",
+                "encrypted_content": "EqgfCioIARgBIiQ3",
+            }
+        ],
+    },
+)
 #: The prompts each scenario runs, in one session (`--continue` after the first).
 SCENARIOS = {
     "tool": (TASK,),
@@ -108,8 +130,9 @@ def _answer(first_user: str, last_user: str, everything: str) -> tuple[str, Any]
 
 
 def text_script(body: dict[str, Any]) -> Reply:
-    """The Anthropic upstream's answer (`_answer`), with signed thinking; background calls
-    that offer no tools get text."""
+    """The Anthropic upstream's answer (`_answer`), with signed thinking; a tool call also
+    carries redacted thinking and a web search the API ran (server-tool blocks), which
+    Claude Code sends back; background calls that offer no tools get text."""
     messages = body.get("messages") or []
     if not _offers_bash(body):
         return Reply(content="Echo test")
@@ -119,7 +142,12 @@ def text_script(body: dict[str, Any]) -> Reply:
         return Reply(reasoning_content="I can answer.", content=what)
     name, arguments = what
     call = {"function": {"name": name, "arguments": json.dumps(arguments)}}
-    return Reply(reasoning_content=f"I will use {name}.", content="On it.", tool_calls=[call])
+    return Reply(
+        reasoning_content=f"I will use {name}.",
+        hosted=list(HOSTED),
+        content="On it.",
+        tool_calls=[call],
+    )
 
 
 class EngineScript:

@@ -32,6 +32,9 @@ def test_claude_code_tool_round_trip_is_one_path(mode: str, route: str) -> None:
     assert roles[-3:] == ["assistant", "tool", "assistant"]
     call = path["messages"][-3]["tool_calls"][0]
     assert call["function"]["name"] == "Bash" and call["id"].startswith("toolu_")
+    if mode == "text":  # the API's own blocks, sent back by Claude Code, kept on the path
+        kept = json.dumps(path["messages"][-3])  # the content and the thinking blocks
+        assert all(b["type"] in kept for b in smoke.HOSTED)
     assert smoke.MARKER in path["messages"][-2]["content"]
     calls = [c for n in outcome.document["nodes"] for c in n["calls"]]
     assert {c["dialect"] for c in calls} == {"messages"}
