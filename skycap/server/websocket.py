@@ -93,8 +93,8 @@ class WebSocketSink:
 
 def open_socket(flow: http.HTTPFlow, loopback: Loopback) -> None:
     """Point an admitted upgrade at a new sink: mitmproxy then relays the WebSocket between
-    the harness and the sink, and fires its message hooks. The harness's credentials stay
-    on the flow's request (each call's copy reads them), not on the way to the sink."""
+    the harness and the sink, and fires its message hooks. Only the upgrade's own headers
+    go to the sink: the session copied the rest (the harness's key) for its calls first."""
     path = loopback.register(WebSocketSink())
     data = flow.request.data
     data.scheme, data.host, data.port, data.path = b"http", "127.0.0.1", loopback.port, path
