@@ -8,6 +8,11 @@ tokenizer and samples from a scripted engine. The task makes it run one `echo` t
 Bash tool, so each run is a tool round trip: call 1 asks for the tool, call 2 carries its
 result. Claude Code's own background calls (if any) are separate roots.
 
+`--scenario subagent` has the model hand the work to a background `Agent` subagent (its
+calls are a root of their own; the main conversation hears back through a notification);
+`--scenario compact` runs the task, then `/compact`, then a question on the compacted
+history (the summary request is a branch, the compacted history a new root).
+
 Routes: `base_url` sets ANTHROPIC_BASE_URL to the trajectory's `anthropic_base_url`;
 `proxy` leaves Claude Code on its default api.anthropic.com and gives it the create's
 `env` (HTTPS_PROXY, NODE_EXTRA_CA_CERTS, ...).
@@ -38,6 +43,53 @@ TASK = "Run the shell command `echo skycap-ok` with your Bash tool, then reply w
 MARKER = "skycap-ok"
 ECHO = {"command": f"echo {MARKER}", "description": "Print the marker"}
 CLI_TIMEOUT = 300.0
+#: The subagent scenario: the model hands a task to a background `Agent`, whose
+#: conversation starts with SUBAGENT_MARK; the main conversation hears back through a
+#: system notification, then answers.
+SUBAGENT_TASK = "Have a background subagent do the work, then reply with what it found."
+SUBAGENT_MARK = "SUBAGENT-TASK"
+SUBAGENT_ANSWER = "sub-ok"
+AGENT = {
+    "description": "Find the marker",
+    "prompt": f"{SUBAGENT_MARK}: reply with {SUBAGENT_ANSWER}",
+    "subagent_type": "general-purpose",
+    "run_in_background": True,
+}
+NOTIFICATION = "SYSTEM NOTIFICATION"
+#: The compact scenario: the task, then `/compact` (Claude Code's summary request, which
+#: asks for a <summary> block), then a question on the compacted history.
+FOLLOW_UP = "What did the command print?"
+SUMMARY_ASK = "<summary> block"
+SUMMARY = "<analysis>Ran echo.</analysis>\n<summary>The command printed skycap-ok.</summary>"
+CONTINUED = "This session is being continued from a previous conversation"
+#: Blocks the API adds to a reply (text mode): redacted thinking and a web search it ran.
+HOSTED = (
+    {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"},
+    {
+        "type": "server_tool_use",
+        "id": "srvtoolu_smoke1",
+        "name": "web_search",
+        "input": {"query": MARKER},
+    },
+    {
+        "type": "web_search_tool_result",
+        "tool_use_id": "srvtoolu_smoke1",
+        "content": [
+            {
+                "type": "web_search_result",
+                "url": "https://example.com/skycap",
+                "title": "skycap",
+                "encrypted_content": "EqgfCioIARgBIiQ3",
+            }
+        ],
+    },
+)
+#: The prompts each scenario runs, in one session (`--continue` after the first).
+SCENARIOS = {
+    "tool": (TASK,),
+    "subagent": (SUBAGENT_TASK,),
+    "compact": (TASK, "/compact", FOLLOW_UP),
+}
 
 
 def find_claude(explicit: str | None = None) -> str | None:
@@ -48,31 +100,58 @@ def find_claude(explicit: str | None = None) -> str | None:
     return str(local) if local.exists() else shutil.which("claude")
 
 
-def _has_tool_result(messages: list[Any]) -> bool:
-    return any(
-        isinstance(m.get("content"), list)
-        and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in m["content"])
-        for m in messages
-    )
+def _texts(message: Any) -> str:
+    """A message's text, tool results included (JSON of its content blocks)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else json.dumps(content)
 
 
 def _offers_bash(body: dict[str, Any]) -> bool:
     return any(isinstance(t, dict) and t.get("name") == "Bash" for t in body.get("tools") or ())
 
 
+def _answer(first_user: str, last_user: str, everything: str) -> tuple[str, Any]:
+    """The scripted policy, on any rendering of a conversation: ("text", what to say) or
+    ("tool", (name, input)). `first_user` and `last_user` are the first and last user
+    turns' text, `everything` the whole conversation's."""
+    if SUMMARY_ASK in last_user:
+        return "text", SUMMARY
+    if SUBAGENT_MARK in first_user:
+        return "text", SUBAGENT_ANSWER
+    if NOTIFICATION in last_user:
+        return "text", MARKER
+    if "tool_result" in last_user or "<tool_response>" in last_user:
+        if "Async agent launched" in last_user:
+            return "text", "Waiting for the subagent."
+        return "text", MARKER  # what the echo printed
+    if SUBAGENT_TASK in everything:
+        return "tool", ("Agent", AGENT)
+    return "tool", ("Bash", ECHO)
+
+
 def text_script(body: dict[str, Any]) -> Reply:
-    """The Anthropic upstream's answer: Bash once, then the marker; background calls get text."""
+    """The Anthropic upstream's answer (`_answer`), with signed thinking; a tool call also
+    carries redacted thinking and a web search the API ran (server-tool blocks), which
+    Claude Code sends back; background calls that offer no tools get text."""
     messages = body.get("messages") or []
     if not _offers_bash(body):
         return Reply(content="Echo test")
-    if _has_tool_result(messages):
-        return Reply(reasoning_content="The command printed the marker.", content=MARKER)
-    call = {"function": {"name": "Bash", "arguments": json.dumps(ECHO)}}
-    return Reply(reasoning_content="I will run echo.", content="Running it.", tool_calls=[call])
+    users = [_texts(m) for m in messages if m.get("role") == "user"] or [""]
+    kind, what = _answer(users[0], users[-1], json.dumps(messages))
+    if kind == "text":
+        return Reply(reasoning_content="I can answer.", content=what)
+    name, arguments = what
+    call = {"function": {"name": name, "arguments": json.dumps(arguments)}}
+    return Reply(
+        reasoning_content=f"I will use {name}.",
+        hosted=list(HOSTED),
+        content="On it.",
+        tool_calls=[call],
+    )
 
 
 class EngineScript:
-    """The scripted engine's completion text for a Qwen3 prompt: Bash once, then the marker."""
+    """The scripted engine's completion text for a Qwen3 prompt (`_answer`)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -81,13 +160,17 @@ class EngineScript:
         from skycap.mock.engine import Reply as EngineReply
 
         prompt = self.tokenizer.decode(body["token_ids"])
-        if '"name": "Bash"' not in prompt and "Bash" not in prompt.split("<tools>")[-1][:200000]:
+        if "Bash" not in prompt.split("<tools>")[-1][:200000]:
             return EngineReply("<think>\n\n</think>\n\nEcho test")
-        if "<tool_response>" in prompt:
-            return EngineReply(f"<think>\nIt printed the marker.\n</think>\n\n{MARKER}")
-        call = json.dumps({"name": "Bash", "arguments": ECHO})
+        turns = prompt.split("<|im_start|>user")[1:] or [""]
+        users = [turn.split("<|im_end|>")[0] for turn in turns]
+        kind, what = _answer(users[0], users[-1], prompt)
+        if kind == "text":
+            return EngineReply(f"<think>\nI can answer.\n</think>\n\n{what}")
+        name, arguments = what
+        call = json.dumps({"name": name, "arguments": arguments})
         return EngineReply(
-            f"<think>\nI will run echo.\n</think>\n\nRunning it.\n<tool_call>\n{call}\n</tool_call>"
+            f"<think>\nI will use {name}.\n</think>\n\nOn it.\n<tool_call>\n{call}\n</tool_call>"
         )
 
 
@@ -196,8 +279,11 @@ def claude_env(
     return env
 
 
-def run_once(claude: str, mode: str, route: str, slow: bool = False) -> Outcome:
-    """One Claude Code run in `mode` over `route`; the finish answer and the document.
+def run_once(
+    claude: str, mode: str, route: str, slow: bool = False, scenario: str = "tool"
+) -> Outcome:
+    """One Claude Code session in `mode` over `route`: the prompts of `scenario` in turn
+    (`--continue` after the first); the last finish answer and the document.
 
     `slow`: against a slow streaming engine, with Claude Code's idle timeout shortened
     below the engine's silence (see `capture_server`)."""
@@ -208,30 +294,30 @@ def run_once(claude: str, mode: str, route: str, slow: bool = False) -> Outcome:
         with capture_server(mode, route, root / "confdir", slow) as (service, _):
             with httpx.Client(base_url=service.url, timeout=60, headers=_auth(service)) as http:
                 created = http.post("/trajectories", json={"meta": {"cli": "claude"}}).json()
-                done = subprocess.run(
-                    [
-                        claude,
-                        "-p",
-                        TASK,
-                        "--output-format",
-                        "json",
-                        "--allowedTools",
-                        "Bash(echo:*)",
-                    ],
-                    env=claude_env(created, route, root / "home", SLOW_IDLE_MS if slow else None),
-                    cwd=root / "work",
-                    capture_output=True,
-                    text=True,
-                    timeout=CLI_TIMEOUT,
-                    stdin=subprocess.DEVNULL,
-                )
-                if done.returncode != 0:
-                    output = f"{done.stdout[-2000:]} {done.stderr[-2000:]}"
-                    raise RuntimeError(f"claude exited {done.returncode}: {output}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
+                env = claude_env(created, route, root / "home", SLOW_IDLE_MS if slow else None)
+                for turn, prompt in enumerate(SCENARIOS[scenario]):
+                    resume = ["--continue"] if turn else []
+                    result = _claude(claude, [*resume, "-p", prompt], env, root / "work")
                 document = http.get(f"/trajectories/{created['id']}").json()
                 finished = http.post(f"/trajectories/{created['id']}/finish", json={}).json()
     return Outcome(mode, route, result, finished, document)
+
+
+def _claude(claude: str, args: list[str], env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    """One `claude -p` (JSON output); its result object."""
+    done = subprocess.run(
+        [claude, *args, "--output-format", "json", "--allowedTools", "Bash(echo:*)"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    if done.returncode != 0:
+        output = f"{done.stdout[-2000:]} {done.stderr[-2000:]}"
+        raise RuntimeError(f"claude exited {done.returncode}: {output}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _auth(service: CaptureService) -> dict[str, str]:
@@ -244,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claude", help="the claude binary (default: .ci/npm, then PATH)")
     parser.add_argument("--mode", choices=("text", "tokens"), action="append")
     parser.add_argument("--route", choices=("base_url", "proxy"), action="append")
+    parser.add_argument("--scenario", choices=tuple(SCENARIOS), default="tool")
     args = parser.parse_args(argv)
     claude = find_claude(args.claude)
     if claude is None:
@@ -253,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for mode in args.mode or ("text", "tokens"):
         for route in args.route or ("base_url", "proxy"):
-            outcome = run_once(claude, mode, route)
+            outcome = run_once(claude, mode, route, scenario=args.scenario)
             print(outcome.summary())
             if len(outcome.tool_paths) != 1 or MARKER not in str(outcome.result.get("result")):
                 failed = True

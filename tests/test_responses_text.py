@@ -264,15 +264,35 @@ async def test_agents_sdk_default_model_runs_multi_turn_streamed_and_chained(
         await client.close()
 
 
-def test_a_websocket_upgrade_is_refused_with_426(control: Control) -> None:
+def test_remote_compaction_is_forwarded_and_recorded_as_a_call(
+    control: Control, upstream: ScriptedResponsesUpstream
+) -> None:
+    """`POST /v1/responses/compact` goes to the upstream's compact route as sent; the call
+    records the compacted history verbatim as its reply."""
     trajectory = control.create()
-    headers = {
-        "connection": "Upgrade",
-        "upgrade": "websocket",
-        "sec-websocket-version": "13",
-        "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
-    }
-    response = httpx.get(f"{trajectory['base_url']}/responses", headers=headers)
-    assert response.status_code == 426
-    error = response.json()["error"]
-    assert error["code"] == "websocket_not_supported" and "HTTPS" in error["message"]
+    client = sdk(trajectory)
+    first = client.responses.create(model="policy", input=QUESTION, tools=TOOLS, store=False)
+    history = [{"role": "user", "content": QUESTION}, *items(first), tool_output(first)]
+    body = {"model": "policy", "input": history, "tools": TOOLS}
+    compacted = httpx.post(
+        f"{trajectory['base_url']}/responses/compact",
+        json=body,
+        headers={"authorization": f"Bearer {trajectory['api_key']}"},
+    )
+    assert compacted.status_code == 200, compacted.text
+    output = compacted.json()["output"]
+    assert [item.get("type", "message") for item in output] == ["message", "compaction"]
+    forwarded = upstream.requests[-1]
+    assert forwarded.path == "/v1/responses/compact" and orjson.loads(forwarded.body) == body
+
+    calls = calls_of(control, trajectory["id"])
+    assert [c["dialect"] for c in calls] == ["responses", "responses"]
+    assert calls[1]["finish_reason"] == "stop" and "response_id" not in calls[1]
+    document = control.document(trajectory["id"]).json()
+    reply = [node for node in document["nodes"] if node.get("calls")][-1]
+    assert reply["message"]["content"] == [
+        {"type": "opaque", "dialect": "responses", "value": {"output": output}}
+    ]
+    # It extends the turn it compacts: one path; the next call's input starts anew.
+    (sample,) = control.finish(trajectory["id"]).json()["samples"]
+    assert sample["messages"][-1] == reply["message"]

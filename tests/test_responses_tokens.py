@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -381,6 +382,8 @@ def test_compact_is_refused_clearly(control: Control) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert "compact" in error["message"] and error["param"] is None
+    assert "base URL" in error["message"] and "/t/{id}/v1" in error["message"]
+    assert not calls_of(control, trajectory["id"])
 
 
 async def test_agents_sdk_default_model_runs_multi_turn_streamed_and_chained(
@@ -416,3 +419,46 @@ async def test_agents_sdk_default_model_runs_multi_turn_streamed_and_chained(
         finished = control.finish(trajectory["id"]).json()
         assert len(finished["samples"]) == 1, mode
         await client.close()
+
+
+def test_websocket_round_trip_continued_by_id_is_one_bridged_path(
+    control: Control, engine: ScriptedEngine, script: Script
+) -> None:
+    """Codex's WebSocket turns: a warm-up, then each call continues the connection's newest
+    response with only the new input; skycap renders the whole history each time."""
+    trajectory = control.create()
+    client = openai.AsyncOpenAI(base_url=trajectory["base_url"], api_key=trajectory["api_key"])
+
+    async def until_end(connection: Any) -> Any:
+        async for event in connection:
+            if event.type in ("response.completed", "response.failed", "error"):
+                return event
+        raise AssertionError("the connection closed before the response ended")
+
+    async def converse() -> tuple[Any, Any]:
+        async with client.responses.connect() as connection:
+            question = [{"role": "user", "content": QUESTION}]
+            await connection.response.create(
+                model="policy", input=question, tools=TOOLS, store=False, generate=False
+            )
+            warm = await until_end(connection)
+            await connection.response.create(
+                model="policy", input=[], tools=TOOLS, previous_response_id=warm.response.id
+            )
+            first = await until_end(connection)
+            await connection.response.create(
+                model="policy",
+                input=[tool_output(first.response)],
+                tools=TOOLS,
+                previous_response_id=first.response.id,
+            )
+            return first, await until_end(connection)
+
+    first, second = asyncio.run(converse())
+    assert first.type == second.type == "response.completed"
+    assert second.response.output[-1].content[0].text == ANSWER
+    calls = calls_of(control, trajectory["id"])
+    assert [c["transport"] for c in calls] == ["websocket", "websocket"]
+    assert [c["bridged"] for c in calls] == [None, True]
+    (sample,) = control.finish(trajectory["id"]).json()["samples"]
+    check_exact(sample, engine, trajectory["id"], script)

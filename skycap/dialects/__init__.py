@@ -72,14 +72,8 @@ __all__ = [
 ]
 
 #: What a route does (`Route.action`): run a model call, count its prompt's tokens, list
-#: the models, answer a stored reply by id, or refuse it as not captured.
-CALL, COUNT_TOKENS, MODELS, STORED_REPLY, NOT_CAPTURED = (
-    "call",
-    "count_tokens",
-    "models",
-    "stored_reply",
-    "not_captured",
-)
+#: the models, or answer a stored reply by id.
+CALL, COUNT_TOKENS, MODELS, STORED_REPLY = ("call", "count_tokens", "models", "stored_reply")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +83,9 @@ class Route:
     `kind` names it (routing, the access log); `tail` is its path after `/t/{id}/v1/`
     and `proxy` the path suffix it is matched by through the proxy listener. A `tail`
     ending in `/` is a prefix an id follows (`responses/{id}`); its `proxy` is then
-    matched anywhere in the path. `refusal` is the message a NOT_CAPTURED route answers.
+    matched anywhere in the path. `websocket` marks a call route also taken as a
+    WebSocket (a GET upgrade on the same path), each client message one call
+    (`server/websocket.py`).
     """
 
     kind: str
@@ -97,7 +93,7 @@ class Route:
     tail: str
     proxy: str
     action: str = CALL
-    refusal: str = ""
+    websocket: bool = False
 
     @property
     def prefix(self) -> bool:

@@ -16,7 +16,6 @@ from typing import Any
 import orjson
 
 from skycap.dialects import (
-    NOT_CAPTURED,
     STORED_REPLY,
     Earlier,
     ReplyData,
@@ -50,15 +49,6 @@ def responses_error(
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-#: Remote compaction is a model call skycap does not run yet: refused, never forwarded.
-COMPACT_REFUSAL = (
-    "POST /v1/responses/compact (remote compaction) is not captured by skycap: the "
-    "compacted history would be an opaque item no one could train on. Let the harness "
-    "compact with ordinary /v1/responses calls (Codex does so with a model provider whose "
-    "base_url is the trajectory's)"
-)
-
-
 class ResponsesDialect:
     """The Responses API as a `Dialect` (see skycap.dialects)."""
 
@@ -66,15 +56,7 @@ class ResponsesDialect:
     upstream_path = b"/responses"
     reply_id_key = "response_id"
     routes = (
-        Route("responses", "POST", "responses", "/v1/responses"),
-        Route(
-            "compact",
-            "POST",
-            "responses/compact",
-            "/v1/responses/compact",
-            NOT_CAPTURED,
-            COMPACT_REFUSAL,
-        ),
+        Route("responses", "POST", "responses", "/v1/responses", websocket=True),
         Route("response-get", "GET", "responses/", "/v1/responses/", STORED_REPLY),
     )
     caller_header = None

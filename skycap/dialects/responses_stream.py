@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skycap.dialects.opaque import OPAQUE_ROLE
 from skycap.dialects.responses_read import read_items
 from skycap.dialects.sse import EventStream, StreamError
 from skycap.wire import BodyError
@@ -29,6 +30,12 @@ def read_response(response: Any) -> tuple[dict[str, Any], str, dict[str, Any] | 
         messages = read_items(response["output"], where="output")
     except BodyError as exc:
         raise ValueError(f"the response's output cannot be read: {exc}") from None
+    # An item that would stand alone in a request (a remote compaction's `compaction`
+    # item) is the model's own in a reply.
+    messages = [
+        {"role": "assistant", "content": m["content"]} if m.get("role") == OPAQUE_ROLE else m
+        for m in messages
+    ]
     if len(messages) > 1 or any(m.get("role") != "assistant" for m in messages):
         raise ValueError("the response's output is not one assistant turn")
     message = messages[0] if messages else {"role": "assistant", "content": None}

@@ -4,7 +4,8 @@ It is ScriptedUpstream speaking Responses, with the same scripts (`Reply` or map
 request log and faults (`fail_next`). Streams carry every event with its
 `sequence_number`, text and arguments in small pieces. Responses are kept by id as a
 store-enabled server keeps them: `previous_response_id` must name one (else 404, as vLLM
-and OpenAI answer), and `GET /v1/responses/{id}` returns it.
+and OpenAI answer), and `GET /v1/responses/{id}` returns it. `POST
+/v1/responses/compact` answers the compacted history (`compacted`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ class ScriptedResponsesUpstream(ScriptedUpstream):
             else:
                 await send_json(conn, writer, 200, orjson.dumps(found))
             return True
+        if request.method == "POST" and path == _PATH + "/compact":
+            await send_json(conn, writer, 200, orjson.dumps(compacted(request.body)))
+            return True
         if request.method == "POST" and path == _PATH:
             previous = _previous_id(request.body)
             if previous is not None and previous not in self.stored:
@@ -258,6 +262,20 @@ class ScriptedResponsesUpstream(ScriptedUpstream):
         if stream:
             return stream_events(response)[:2]
         return orjson.dumps({"id": "resp_mock-empty", "object": "response"})
+
+
+def compacted(raw: bytes) -> dict[str, Any]:
+    """`POST /v1/responses/compact`'s answer, as the API gives it: the input's user
+    messages, then one opaque `compaction` item standing for the rest."""
+    body = orjson.loads(raw)
+    items = body.get("input") if isinstance(body, dict) else None
+    kept = [
+        item
+        for item in (items if isinstance(items, list) else [])
+        if isinstance(item, dict) and item.get("role") == "user"
+    ]
+    compaction = {"type": "compaction", "id": "cmp_mock", "encrypted_content": "mock-compaction"}
+    return {"object": "response.compaction", "output": [*kept, compaction]}
 
 
 def _previous_id(raw: bytes) -> Any:

@@ -26,7 +26,7 @@ from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 import skycap.control_token as credential
 from skycap.certs import ensure_ca
-from skycap.dialects import CALL, NOT_CAPTURED, STORED_REPLY, Dialect, Route
+from skycap.dialects import CALL, STORED_REPLY, Dialect, Route
 from skycap.dialects import COUNT_TOKENS as COUNT_TOKENS_ACTION
 from skycap.dialects import MODELS as MODELS_ACTION
 from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
@@ -44,6 +44,8 @@ from skycap.server.options import ServerOptions
 from skycap.server.proxy import Proxy, ProxyAuthRequired
 from skycap.server.store import TrajectoryStore
 from skycap.server.textmode import TextMode
+from skycap.server.upstream import UpstreamPool
+from skycap.server.websocket import ResponsesSocket, is_upgrade, open_socket
 from skycap.wire import control_error
 
 logger = logging.getLogger("skycap.server")
@@ -56,13 +58,14 @@ RECORD = "record"
 HARNESS_MISS, MISS, OVERSIZE = "harness-miss", "miss", "oversize"
 PASS, ANSWERED = "pass", "answered"  # proxy listener: not captured / refused in requestheaders
 REFUSED = "refused"  # proxy listener: a model-API host's route skycap does not capture
-CHAT, MESSAGES, COUNT_TOKENS, RESPONSES, COMPACT, RESPONSE_GET = (
+CHAT, MESSAGES, COUNT_TOKENS, RESPONSES, RESPONSE_GET, COMPACT = (
     r.kind for d in routes.DIALECTS for r in d.routes
 )
 (MODELS,) = (r.kind for r in routes.SHARED)
 WEBSOCKET_REFUSAL = (
-    "skycap does not capture the Responses API over WebSocket: use HTTPS (POST "
-    "/v1/responses); Codex falls back to it on this answer"
+    "skycap captures the Responses API over WebSocket only on a trajectory's base URL "
+    "(/t/{id}/v1/responses) or through its proxy port; use one of them, or HTTPS (POST "
+    "/v1/responses), which Codex falls back to on this answer"
 )
 #: What a route does when text mode sends it on unchanged (its failure is skycap's 502).
 _FORWARDED = frozenset({COUNT_TOKENS_ACTION, MODELS_ACTION, STORED_REPLY})
@@ -128,19 +131,24 @@ def too_large_message(size: int, limit: int) -> str:
 
 
 def _responses_websocket(flow: http.HTTPFlow) -> bool:
-    """Refuse a WebSocket upgrade to a Responses path (Codex's `wss://…/v1/responses`).
+    """Refuse a WebSocket upgrade to a Responses path skycap does not capture (one that
+    names no trajectory); true when refused.
 
     Codex tries the WebSocket first; a 426 makes it fall back to HTTPS at once, where a
-    404 or 403 makes it retry five times first (docs/proxy.md). True when refused.
+    404 or 403 makes it retry five times first (docs/proxy.md).
     """
     request = flow.request
-    if request.headers.get("upgrade", "").lower() != "websocket":
-        return False
-    if "/v1/responses" not in request.path.partition("?")[0]:
+    if not is_upgrade(flow) or "/v1/responses" not in request.path.partition("?")[0]:
         return False
     logger.info("refused a WebSocket upgrade to %s%s", request.host, request.path)
     harness_error(flow, 426, WEBSOCKET_REFUSAL, "websocket_not_supported", RESPONSES_DIALECT)
     return True
+
+
+def _websocket_kind(kind: str | None) -> bool:
+    """Whether a route is also taken as a WebSocket (docs/proxy.md)."""
+    harness_route = routes.TABLE.route(kind)
+    return harness_route is not None and harness_route.websocket
 
 
 def _refuse(flow: http.HTTPFlow, kind: str, status: int, message: str) -> None:
@@ -194,6 +202,8 @@ class SkycapAddon:
         self.options = options
         #: Where flows whose answer is written over time are re-targeted to.
         self.loopback = Loopback()
+        #: Reads the loopback's answers to calls that came as WebSocket messages.
+        self.socket_reader = UpstreamPool(None)
         mode: CallMode
         if options.mode == "tokens":
             from skycap.server.tokenmode import TokenMode
@@ -302,6 +312,7 @@ class SkycapAddon:
             credential.remove_token_file(self.token_file, self.options.control_token or "")
         if self.mode is not None:
             await self.mode.close()
+        self.socket_reader.close()
         await self.loopback.close()
 
     # -- proxy listener --------------------------------------------------------------------------
@@ -336,11 +347,16 @@ class SkycapAddon:
         except ProxyAuthRequired as refused:
             flow.response = refused.response()
             return ANSWERED, None
-        if _responses_websocket(flow):
-            return ANSWERED, trajectory_id
-        kind = proxy_route(
-            flow.request.method, flow.request.path, self.proxy.model_api_host(flow.request.host)
-        )
+        method = flow.request.method
+        if is_upgrade(flow):
+            kind = routes.TABLE.proxied("POST", flow.request.path.partition("?")[0])
+            if _websocket_kind(kind):
+                state = state_of(flow)
+                state.proxied = state.websocket = True
+                return kind, trajectory_id
+            if _responses_websocket(flow):
+                return ANSWERED, trajectory_id
+        kind = proxy_route(method, flow.request.path, self.proxy.model_api_host(flow.request.host))
         if kind == REFUSED:
             dialect = dialect_of(flow, kind, flow.request.host)
             self.proxy.refuse(flow, trajectory_id, dialect)
@@ -359,8 +375,14 @@ class SkycapAddon:
             self._release_answered(flow.client_conn.id)  # HTTP/1: earlier answers are sent
         if self.proxy is not None and self.proxy.serves(flow):
             kind, trajectory_id = await self._proxy_route(flow)
-        elif _responses_websocket(flow):
-            kind, trajectory_id = ANSWERED, None
+        elif is_upgrade(flow):
+            kind, trajectory_id = route("POST", flow.request.path)
+            if _websocket_kind(kind):
+                state_of(flow).websocket = True
+            elif _responses_websocket(flow):
+                kind, trajectory_id = ANSWERED, None
+            else:
+                kind, trajectory_id = route(flow.request.method, flow.request.path)
         else:
             kind, trajectory_id = route(flow.request.method, flow.request.path)
         state = state_of(flow)
@@ -435,20 +457,45 @@ class SkycapAddon:
         """A harness route, by what it does (`routes.TABLE`)."""
         proxied, dialect = state.proxied, dialect_of(flow, route.kind)
         suffix = b"/" + route.tail.encode()  # where text mode forwards it, after the base URL
-        if route.action == CALL:
+        if state.websocket:
+            await self._open_websocket(flow, state, trajectory_id, dialect)
+        elif route.action == CALL:
             state.call = await self.harness.call(flow, trajectory_id, proxied, raw, dialect)
         elif route.action == COUNT_TOKENS_ACTION:
             await self.harness.count_tokens(flow, trajectory_id, proxied, raw, suffix, dialect)
         elif route.action == MODELS_ACTION:
             await self.harness.models(flow, trajectory_id, proxied, suffix, dialect)
-        elif route.action == STORED_REPLY:
+        else:
+            assert route.action == STORED_REPLY
             reply_id = flow.request.path.partition("?")[0].rpartition("/")[2]
             suffix += reply_id.encode()
             await self.harness.stored_reply(flow, trajectory_id, proxied, reply_id, suffix, dialect)
-        else:
-            assert route.action == NOT_CAPTURED
-            logger.info("refused %s %s: not captured", flow.request.method, flow.request.path)
-            harness_error(flow, 400, route.refusal, "route_not_captured", dialect)
+
+    async def _open_websocket(
+        self, flow: http.HTTPFlow, state: FlowState, trajectory_id: str, dialect: Dialect
+    ) -> None:
+        """A captured WebSocket: the gate once for the connection, then a session whose
+        messages are calls (`websocket.py`); a refusal is the handshake's HTTP answer."""
+        if await self.harness.admit(flow, trajectory_id, state.proxied, dialect) is None:
+            return
+        assert self.options is not None
+
+        def send(message: bytes) -> None:
+            ctx.master.commands.call("inject.websocket", flow, True, message, True)
+
+        state.socket = ResponsesSocket(
+            flow,
+            harness=self.harness,
+            loopback=self.loopback,
+            reader=self.socket_reader,
+            trajectory_id=trajectory_id,
+            proxied=state.proxied,
+            dialect=dialect,
+            max_body_size=self.options.max_body_size,
+            send=send,
+            drop=lambda: self.conns.drop(flow),
+        )
+        open_socket(flow, self.loopback)
 
     async def _control(
         self, flow: http.HTTPFlow, kind: str, trajectory_id: str | None, raw: bytes
@@ -503,8 +550,28 @@ class SkycapAddon:
         if access_log.isEnabledFor(logging.INFO):
             self._access(flow, flow.response.status_code)
 
+    # -- WebSocket hooks (a captured Responses WebSocket) ---------------------------------------
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """A client message is a call for the session, never relayed to the sink; what the
+        session injects goes on to the harness. None is kept on the flow."""
+        socket = state_of(flow).socket
+        assert flow.websocket is not None
+        if socket is not None:
+            message = flow.websocket.messages[-1]
+            if message.from_client and not message.injected:
+                message.drop()
+                socket.receive(message.content)
+        flow.websocket.messages.clear()
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        if (socket := state_of(flow).socket) is not None:
+            socket.close()
+
     def error(self, flow: http.HTTPFlow) -> None:
         state = state_of(flow)
+        if state.socket is not None:
+            state.socket.close()
         with _logged(flow, "error"):
             if state.call is not None:
                 state.call.harness_left()

@@ -19,7 +19,8 @@ class FlowState:
     `sent` runs once a control answer is on the wire (the mirror's hold); `streamed` marks
     a reply served from the loopback as it is written (passed through unbuffered);
     `harness_left` marks a flow mitmproxy gave up on; `close_after` a harness that asked
-    for `Connection: close`.
+    for `Connection: close`. `websocket` marks a captured WebSocket upgrade and `socket`
+    is its session once admitted (`websocket.ResponsesSocket`).
     """
 
     kind: str | None = None
@@ -30,6 +31,8 @@ class FlowState:
     streamed: bool = False
     harness_left: bool = False
     close_after: bool = False
+    websocket: bool = False
+    socket: Any = None
 
 
 def state_of(flow: http.HTTPFlow) -> FlowState:

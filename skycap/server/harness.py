@@ -10,6 +10,9 @@ way the call runs as its own task, so a client disconnect does not cancel it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from mitmproxy import http
 
 from skycap.dialects import Dialect, Request, UnknownReply
@@ -41,7 +44,7 @@ class Harness:
         dialect: Dialect,
     ) -> None:
         """The model list, in the caller's dialect."""
-        live = await self._admit(flow, trajectory_id, proxied, dialect)
+        live = await self.admit(flow, trajectory_id, proxied, dialect)
         if live is not None:
             live.touch()
             await self.mode.models(flow, live, suffix, dialect)
@@ -57,7 +60,7 @@ class Harness:
     ) -> None:
         """A call's prompt length (`…/v1/messages/count_tokens`). Not a model call: nothing
         is recorded."""
-        live = await self._admit(flow, trajectory_id, proxied, dialect)
+        live = await self.admit(flow, trajectory_id, proxied, dialect)
         if live is None:
             return
         try:
@@ -69,15 +72,23 @@ class Harness:
         await self.mode.count_tokens(flow, live, request, suffix, dialect)
 
     async def call(
-        self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, raw: bytes, dialect: Dialect
+        self,
+        flow: http.HTTPFlow,
+        trajectory_id: str,
+        proxied: bool,
+        raw: bytes,
+        dialect: Dialect,
+        recorded: Mapping[str, Any] | None = None,
     ) -> RunningCall | None:
         """The gate, the body, the retry check, then the call; returns a call still running
-        for the response hooks to finish, if the mode leaves one."""
-        live = await self._admit(flow, trajectory_id, proxied, dialect)
+        for the response hooks to finish, if the mode leaves one. `recorded` are fields
+        the call records for how it came (`transport` for a WebSocket message)."""
+        live = await self.admit(flow, trajectory_id, proxied, dialect)
         if live is None:
             return None
         try:
             request = dialect.read(parse_json_body(raw))
+            request.recorded.update(recorded or {})
             earlier = EarlierReplies(live.trajectory, dialect.reply_id_key)
             dialect.prepare(request, earlier, self.mode.renders)
         except BodyError as exc:
@@ -101,12 +112,12 @@ class Harness:
         dialect: Dialect,
     ) -> None:
         """`GET …/v1/responses/{id}`: a reply by id, as the mode keeps it."""
-        live = await self._admit(flow, trajectory_id, proxied, dialect)
+        live = await self.admit(flow, trajectory_id, proxied, dialect)
         if live is not None:
             live.touch()
             await self.mode.stored_reply(flow, live, reply_id, suffix, dialect)
 
-    async def _admit(
+    async def admit(
         self, flow: http.HTTPFlow, trajectory_id: str, proxied: bool, dialect: Dialect
     ) -> Live | None:
         """The gate, then whether this server can run the call at all."""

@@ -15,10 +15,16 @@ from skycap.dialects import CALL, MODELS, Dialect, Route
 from skycap.dialects.chat import DIALECT as CHAT_DIALECT
 from skycap.dialects.messages import DIALECT as MESSAGES_DIALECT
 from skycap.dialects.responses import DIALECT as RESPONSES_DIALECT
+from skycap.dialects.responses_compact import DIALECT as COMPACTION_DIALECT
 
 #: The harness APIs this server captures; the first is the error shape of a caller on a
 #: shared route that no other dialect claims.
-DIALECTS: tuple[Dialect, ...] = (CHAT_DIALECT, MESSAGES_DIALECT, RESPONSES_DIALECT)
+DIALECTS: tuple[Dialect, ...] = (
+    CHAT_DIALECT,
+    MESSAGES_DIALECT,
+    RESPONSES_DIALECT,
+    COMPACTION_DIALECT,
+)
 #: Routes no one dialect owns: each caller is answered in its own dialect's shape.
 SHARED = (Route("models", "GET", "models", "/models", MODELS),)
 
