@@ -5,8 +5,9 @@ rules (and by skyrl's own validator when skyrl is installed).
     uv run python examples/skyrl_generator.py
 
 Runs against a scripted engine that also returns routed experts (R3), so it needs no GPU and
-no skyrl; the records land in ./records. In a SkyRL run the trainer builds the batch and calls
-`generate`, and `SkycapCallback(generator)` indexes each step (docs/skyrl.md).
+no skyrl; the records land in a new run folder under ./records. In a SkyRL run the trainer
+builds the batch and calls `generate`, and `SkycapCallback(generator)` indexes each step
+(docs/skyrl.md).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-from pathlib import Path
 from typing import Any
 
-from calculator_task import (
+from helpers.calculator_task import (
     PROMPTS,
     SYSTEM,
     TOOLS,
@@ -28,6 +28,7 @@ from calculator_task import (
 )
 from openai import AsyncOpenAI
 
+from skycap import new_run_dir
 from skycap.integrations.skyrl import (
     Rollout,
     SkycapConfig,
@@ -151,7 +152,7 @@ def main() -> None:
             "tokenizer": folder,
             "renderer_name": "qwen3",
             "renderer_pool_size": 1,
-            "record_dir": str(Path("records").resolve()),
+            "record_dir": str(new_run_dir("records", "skyrl_generator").resolve()),
             "policy": {"max_seq_len": 4096},
         }
         with SkycapRuntime.start(SkycapConfig.from_mapping(block)) as runtime:
