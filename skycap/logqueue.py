@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from logging.handlers import QueueHandler, QueueListener
 
 #: The loggers whose records are made on the serving loop (skycap's own, mitmproxy's,
@@ -63,7 +64,7 @@ class _ToRootHandlers(logging.Handler):
         dropped = self.source.take_dropped()
         if dropped:
             _to_root(_dropped_record(dropped))
-        _to_root(record)
+        _to_root(record, _reached(record.name))
 
 
 class LogQueue:
@@ -151,13 +152,28 @@ def _lowest_root_level() -> int:
     return min(h.level for h in handlers)
 
 
-def _to_root(record: logging.LogRecord) -> None:
-    """Hand a record to the root logger's handlers, or to the last resort when it has none."""
+def _reached(name: str) -> list[logging.Handler]:
+    """The handlers a record of logger `name` already met on its way up to the queue: a
+    handler attached to a non-propagating logger as well as to the root (as pytest's log
+    capture is) must not get it twice."""
+    reached: list[logging.Handler] = []
+    log: logging.Logger | None = logging.getLogger(name)
+    while log is not None:
+        reached.extend(log.handlers)
+        if not log.propagate:
+            break
+        log = log.parent
+    return reached
+
+
+def _to_root(record: logging.LogRecord, reached: Sequence[logging.Handler] = ()) -> None:
+    """Hand a record to the root logger's handlers it has not met yet, or to the last
+    resort when the root has none."""
     handlers = logging.getLogger().handlers
     if not handlers and logging.lastResort is not None:
         handlers = [logging.lastResort]
     for handler in handlers:
-        if record.levelno >= handler.level:
+        if record.levelno >= handler.level and handler not in reached:
             handler.handle(record)
 
 
