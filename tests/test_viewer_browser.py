@@ -389,6 +389,7 @@ def test_provenance_and_tokens_coloured_by_weight_version(server: ViewerServer, 
         "engine": {"model": "policy", "version": "0.33.0"},
     }
     build.write(Path(server.viewer.index.runs["mixed"].path))
+    server.viewer.index.refresh(force=True)  # not a rescan that may wait its interval
     page.goto(f"{server.url}?run=mixed&view=rollouts&open={build.t.id}")
     note = page.wait_for_selector("#drawer:not([hidden]) .dr-provenance")
     text = note.inner_text()
