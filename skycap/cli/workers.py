@@ -3,9 +3,9 @@
 One `skycap serve` is one mitmproxy event loop, so one core (docs/scaling.md). The supervisor
 starts N ordinary `skycap serve` processes on ports `--port`…`--port+N-1` (proxy ports
 likewise), all sharing the record directory, the mirror and one control token,
-waits until each answers `/healthz`, and prints every URL. SIGINT/SIGTERM are forwarded to
-every worker, and the supervisor returns only once each has written its records. A worker
-that dies is reported and the others keep serving.
+waits until each answers `/healthz` and has published that token, and prints every URL.
+SIGINT/SIGTERM are forwarded to every worker, and the supervisor returns only once each has
+written its records. A worker that dies is reported and the others keep serving.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from skycap.control_token import new_control_token
+from skycap.control_token import default_token_file, new_control_token, read_token_file
 from skycap.record.journal import replay_journals
 from skycap.server.control import WORKER_PORTS_VARIABLE
 from skycap.server.records import JOURNALS_REPLAYED_VARIABLE
@@ -38,7 +38,16 @@ class Worker:
     index: int
     url: str
     process: subprocess.Popen[bytes]
+    #: The control token file the worker writes once it serves, and the token it must hold
+    #: (None when the supervisor did not make the token).
+    token_file: Path | None = None
+    token: str | None = None
     reported: bool = False
+
+    def published(self) -> bool:
+        """Whether a client can find the worker's control token yet: its server answers
+        `/healthz` while it is still starting, before it writes the file."""
+        return self.token_file is None or read_token_file(self.token_file) == self.token
 
 
 def strip_workers(argv: Sequence[str]) -> list[str]:
@@ -81,6 +90,7 @@ def supervise(
     proxy_port: int | None,
     control_token_given: bool,
     control_token_off: bool,
+    control_token_file: Path | None,
     record_dir: Path | None,
 ) -> int:
     """Run `workers` servers until SIGINT/SIGTERM; 0, or 3 if a worker lost records, else 1."""
@@ -113,7 +123,9 @@ def supervise(
             # Each worker gets its own session: a Ctrl-C reaches the supervisor only, which
             # forwards one SIGTERM, so no worker is interrupted twice mid-write.
             process = subprocess.Popen(cmd, env=env, start_new_session=True)
-            pool.append(Worker(i, url, process))
+            token = env.get(TOKEN_VARIABLE)
+            token_file = control_token_file or default_token_file(port + i) if token else None
+            pool.append(Worker(i, url, process, token_file, token))
         if not _wait_ready(pool, lambda: stopping):
             forward(signal.SIGTERM, None)
         else:
@@ -150,7 +162,8 @@ def _replay(record_dir: Path) -> None:
 
 
 def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:
-    """Poll each worker's liveness route until it answers; False if one exits first."""
+    """Poll each worker until it answers and its token is published; False if one exits
+    first."""
     deadline = time.monotonic() + START_TIMEOUT
     pending = list(pool)
     with httpx.Client(timeout=1.0, trust_env=False) as client:
@@ -169,7 +182,8 @@ def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:
                     client.get(f"{worker.url}/healthz")
                 except httpx.HTTPError:
                     continue
-                pending.remove(worker)
+                if worker.published():
+                    pending.remove(worker)
             if stopping():
                 return False
             if time.monotonic() > deadline:
