@@ -187,6 +187,9 @@ class SkycapAddon:
     def __init__(self, options: ServerOptions | None = None) -> None:
         self._from_script = options is None
         self.token_file: Path | None = None
+        #: Whether the server is up: until then `/healthz` answers 503 `starting`, so that
+        #: whoever polls it finds the control token file once it says ok.
+        self.up = False
         self.options: ServerOptions | None = None
         self.store: TrajectoryStore | None = None
         self.mode: CallMode | None = None
@@ -276,6 +279,12 @@ class SkycapAddon:
         elif self._from_script:
             path = self.publish_token(port, default=True)
             logger.warning("skycap: the control token is in %s", path)
+        if self._from_script:
+            self.started()
+
+    def started(self) -> None:
+        """The server is up: started, with its control token published where it goes."""
+        self.up = True
 
     def publish_token(self, port: int, *, default: bool) -> Path | None:
         """Write the control token to `control_token_file` (or, with `default`, to the default
@@ -420,6 +429,9 @@ class SkycapAddon:
     ) -> None:
         raw = flow.request.raw_content or b""
         assert self.options is not None and self.store is not None
+        if kind == HEALTH and not self.up:
+            respond(flow, 503, b'{"ok":false,"starting":true}')
+            return
         if kind != HEALTH and not self.store.replayed.is_set():  # /healthz answers meanwhile
             await self.store.replayed.wait()
         harness_route = routes.TABLE.route(kind)

@@ -170,6 +170,11 @@ async def _serve(
         bound_host, bound_port = listen_address(server, ReverseMode)
         if ready is not None:
             ready(_url(bound_host, bound_port))
+        # Only now has the caller published what a client needs (the control token file).
+        for addon in addons or master.addons.chain:
+            started = getattr(addon, "started", None)
+            if started is not None:
+                started()
         await (stop_event or asyncio.Event()).wait()
     finally:
         await server.servers.update([])
