@@ -268,8 +268,12 @@ async def bench_bridge(folder: str) -> dict[str, float]:
     Timed twice: the renderer calls alone, and the whole plan (match, bridge or render,
     keeping the reproduced prefix, attribution).
     """
-    backend = FakeEngineBackend(
-        experts=False, tokenizer=folder, renderer_name="qwen3", renderer_pool_size=1
+    backend = FakeEngineBackend(  # no render cache: the full render is timed, not a hit
+        experts=False,
+        tokenizer=folder,
+        renderer_name="qwen3",
+        renderer_pool_size=1,
+        render_cache_mib=0,
     )
     traj = Trajectory("tr_000000000000d0d0", capture=backend.capture)
     messages: list[dict[str, Any]] = [
@@ -288,26 +292,30 @@ async def bench_bridge(folder: str) -> dict[str, float]:
     finally:
         await backend.close()
     renderer = backend._pool.primary
-    graph, key = traj.graph, tools_hash(TOOLS)
+    # The plan reads what the dialect made of the request, under the served model name, as a
+    # live turn does.
+    asked = CHAT.read({"model": "p", "messages": messages, "tools": TOOLS})
+    messages, tools = asked.messages, asked.tools
+    graph, key = traj.graph, tools_hash(tools)
     model_node = graph[graph.leaves()[0]]
     path = graph.path_to(model_node.id)
     previous = np.concatenate([graph[i].tokens.ids for i in path]).tolist()
     start = model_node.tokens.sampled_start
     completion = model_node.tokens.ids[start:].tolist()
     prompt = previous[: len(previous) - len(completion)]
-    bridged = plan_turn(graph, renderer, messages, TOOLS, key, "p")
+    bridged = plan_turn(graph, renderer, messages, tools, key, "policy")
     assert bridged.bridged is True and len(messages) == RENDER_MESSAGES
-    full = plan_turn(graph, NoBridge(renderer), messages, TOOLS, key, "p")
+    full = plan_turn(graph, NoBridge(renderer), messages, tools, key, "policy")
     assert full.bridged is False
     return {
         "messages": len(messages),
         "tokens": len(bridged.prompt_ids),
-        "bridge_ms": timed(lambda: renderer.bridge(prompt, completion, messages[-1:], TOOLS)) * 1e3,
-        "render_ms": timed(lambda: renderer.render(messages, TOOLS)) * 1e3,
-        "plan_bridge_ms": timed(lambda: plan_turn(graph, renderer, messages, TOOLS, key, "p"))
+        "bridge_ms": timed(lambda: renderer.bridge(prompt, completion, messages[-1:], tools)) * 1e3,
+        "render_ms": timed(lambda: renderer.render(messages, tools)) * 1e3,
+        "plan_bridge_ms": timed(lambda: plan_turn(graph, renderer, messages, tools, key, "policy"))
         * 1e3,
         "plan_render_ms": timed(
-            lambda: plan_turn(graph, NoBridge(renderer), messages, TOOLS, key, "p")
+            lambda: plan_turn(graph, NoBridge(renderer), messages, tools, key, "policy")
         )
         * 1e3,
     }
