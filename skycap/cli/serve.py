@@ -189,7 +189,6 @@ def _supervise(
         proxy_port=options.proxy_port,
         control_token_given=args.control_token_env is not None,
         control_token_off=bool(args.no_control_token),
-        control_token_file=options.control_token_file,
         record_dir=options.record_dir,
     )
 

@@ -3,7 +3,7 @@
 One `skycap serve` is one mitmproxy event loop, so one core (docs/scaling.md). The supervisor
 starts N ordinary `skycap serve` processes on ports `--port`…`--port+N-1` (proxy ports
 likewise), all sharing the record directory, the mirror and one control token,
-waits until each answers `/healthz` and has published that token, and prints every URL.
+waits until each answers `/healthz` as up (not starting), and prints every URL.
 SIGINT/SIGTERM are forwarded to every worker, and the supervisor returns only once each has
 written its records. A worker that dies is reported and the others keep serving.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from skycap.control_token import default_token_file, new_control_token, read_token_file
+from skycap.control_token import new_control_token
 from skycap.record.journal import replay_journals
 from skycap.server.control import WORKER_PORTS_VARIABLE
 from skycap.server.records import JOURNALS_REPLAYED_VARIABLE
@@ -38,16 +38,7 @@ class Worker:
     index: int
     url: str
     process: subprocess.Popen[bytes]
-    #: The control token file the worker writes once it serves, and the token it must hold
-    #: (None when the supervisor did not make the token).
-    token_file: Path | None = None
-    token: str | None = None
     reported: bool = False
-
-    def published(self) -> bool:
-        """Whether a client can find the worker's control token yet: its server answers
-        `/healthz` while it is still starting, before it writes the file."""
-        return self.token_file is None or read_token_file(self.token_file) == self.token
 
 
 def strip_workers(argv: Sequence[str]) -> list[str]:
@@ -90,7 +81,6 @@ def supervise(
     proxy_port: int | None,
     control_token_given: bool,
     control_token_off: bool,
-    control_token_file: Path | None,
     record_dir: Path | None,
 ) -> int:
     """Run `workers` servers until SIGINT/SIGTERM; 0, or 3 if a worker lost records, else 1."""
@@ -123,9 +113,7 @@ def supervise(
             # Each worker gets its own session: a Ctrl-C reaches the supervisor only, which
             # forwards one SIGTERM, so no worker is interrupted twice mid-write.
             process = subprocess.Popen(cmd, env=env, start_new_session=True)
-            token = env.get(TOKEN_VARIABLE)
-            token_file = control_token_file or default_token_file(port + i) if token else None
-            pool.append(Worker(i, url, process, token_file, token))
+            pool.append(Worker(i, url, process))
         if not _wait_ready(pool, lambda: stopping):
             forward(signal.SIGTERM, None)
         else:
@@ -162,8 +150,7 @@ def _replay(record_dir: Path) -> None:
 
 
 def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:
-    """Poll each worker until it answers and its token is published; False if one exits
-    first."""
+    """Poll each worker until `/healthz` says it is up; False if one exits first."""
     deadline = time.monotonic() + START_TIMEOUT
     pending = list(pool)
     with httpx.Client(timeout=1.0, trust_env=False) as client:
@@ -179,10 +166,10 @@ def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:
                     worker.reported = True
                     return False
                 try:
-                    client.get(f"{worker.url}/healthz")
+                    answer = client.get(f"{worker.url}/healthz")
                 except httpx.HTTPError:
                     continue
-                if worker.published():
+                if not _starting(answer):
                     pending.remove(worker)
             if stopping():
                 return False
@@ -198,6 +185,16 @@ def _wait_ready(pool: list[Worker], stopping: Callable[[], bool]) -> bool:
             if pending:
                 time.sleep(0.1)  # polling a child process that has no readiness pipe
     return True
+
+
+def _starting(answer: httpx.Response) -> bool:
+    """A server answers `/healthz` while it is still starting (docs/http.md §13), before its
+    control token is written where clients find it."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("starting") is True
 
 
 def _announce(pool: list[Worker]) -> None:
