@@ -251,6 +251,7 @@ class ScriptedEngine:
         """Make streamed replies wait before chunk `before_chunk` until `resume_stream()`."""
         with self._cond:
             self._gate = (before_chunk, threading.Event())
+            self._held = False
 
     def resume_stream(self) -> None:
         with self._cond:
