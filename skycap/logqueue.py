@@ -41,6 +41,9 @@ class _DroppingHandler(QueueHandler):
         return record.levelno >= _lowest_root_level() and bool(super().filter(record))
 
     def enqueue(self, record: logging.LogRecord) -> None:
+        # Which handlers it met is read now, on the logging thread: by the time the writer
+        # thread gets to it, stopping may have made the loggers propagate again.
+        record.skycap_reached = _reached(record.name)
         try:
             self.queue.put_nowait(record)
         except queue.Full:
@@ -64,7 +67,7 @@ class _ToRootHandlers(logging.Handler):
         dropped = self.source.take_dropped()
         if dropped:
             _to_root(_dropped_record(dropped))
-        _to_root(record, _reached(record.name))
+        _to_root(record, getattr(record, "skycap_reached", ()))
 
 
 class LogQueue:

@@ -122,3 +122,33 @@ def test_a_server_whose_stderr_nobody_reads_keeps_serving(upstream, disk: SmallD
     # Late, but nothing of the episode is lost: its start and its end were queued.
     assert "ERROR skycap.server: records cannot be written" in stderr
     assert "recovered after" in stderr and "19 trajectories" in stderr
+
+
+def test_what_is_queued_when_the_queue_stops_is_still_written() -> None:
+    """Stopping puts the loggers back before the writer thread drains: a record still
+    queued then must reach the root's handlers, not be taken for one they already had
+    (a server's last error lines, written at shutdown, were lost this way)."""
+    stuck = Stuck()
+    root = logging.getLogger()
+    root.addHandler(stuck)
+    install_log_queue()
+    log = logging.getLogger("skycap.server.records")
+    stopping = threading.Thread(target=uninstall_log_queue)
+    try:
+        log.warning("the line the writer thread is stuck on")
+        assert stuck.entered.wait(10)
+        log.error("records cannot be written: queued behind it")
+        stopping.start()
+        wait_for(lambda: logging.getLogger("skycap").propagate, 10, "the loggers put back")
+        stuck.unblock.set()
+        stopping.join(10)
+        assert not stopping.is_alive()
+    finally:
+        stuck.unblock.set()
+        if not stopping.is_alive() and not stopping.ident:
+            uninstall_log_queue()
+        root.removeHandler(stuck)
+    assert stuck.messages == [
+        "the line the writer thread is stuck on",
+        "records cannot be written: queued behind it",
+    ]
