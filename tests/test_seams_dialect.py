@@ -56,6 +56,7 @@ class ToyDialect:
 
     name = "toy"
     upstream_path = b"/toy/complete"
+    weight_versions_request = None
     reply_id_key = None
     routes = (Route("toy", "POST", "toy/complete", "/v1/toy/complete"),)
     caller_header = "x-toy-version"

@@ -14,6 +14,10 @@ spelling. Every dialect module exposes one `Dialect` instance, `DIALECT`, with:
   tools and sampling plus the dialect's extras; raises `wire.BodyError` (a 400) on bad input.
   Canonicalisation happens here, so both modes hash the same canonical messages.
 - `upstream_path`: where text mode forwards a call, after the upstream base URL.
+- `weight_versions_request`: the JSON member text mode adds to a call's body, with
+  `--upstream-weight-versions`, to ask a vLLM upstream for the weight versions that
+  sampled the reply (Chat Completions: `"return_weight_versions":true`); None when vLLM
+  reports them on this API unasked or not at all.
 - `reply_message(parsed) -> (message, finish_reason, usage)`: a non-streamed upstream reply
   (text mode) in canonical form; raises `StreamError` naming what is missing.
 - `assembler() -> Assembler`: an incremental reader of the upstream's SSE stream (text mode):
@@ -219,6 +223,7 @@ class Dialect(Protocol):
 
     name: str
     upstream_path: bytes
+    weight_versions_request: bytes | None
     reply_id_key: str | None
     routes: tuple[Route, ...]
     caller_header: str | None

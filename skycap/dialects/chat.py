@@ -286,6 +286,9 @@ class ChatDialect:
 
     name = "chat"
     upstream_path = b"/chat/completions"
+    #: vLLM's Chat Completions attach `weight_versions` only when asked
+    #: (chat_completion/protocol.py, `return_weight_versions`, default false).
+    weight_versions_request = b'"return_weight_versions":true'
     reply_id_key = None
     routes = (Route("chat", "POST", "chat/completions", "/chat/completions"),)
     caller_header = None

@@ -405,6 +405,7 @@ class MessagesDialect:
 
     name = "messages"
     upstream_path = b"/messages"
+    weight_versions_request = None  # vLLM's Messages route has no such request field
     reply_id_key = None
     routes = (
         Route("messages", "POST", "messages", "/v1/messages"),

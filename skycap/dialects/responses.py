@@ -54,6 +54,7 @@ class ResponsesDialect:
 
     name = "responses"
     upstream_path = b"/responses"
+    weight_versions_request = None  # vLLM's Responses route has no such request field
     reply_id_key = "response_id"
     routes = (
         Route("responses", "POST", "responses", "/v1/responses", websocket=True),

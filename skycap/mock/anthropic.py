@@ -97,6 +97,10 @@ class ScriptedAnthropicUpstream(ScriptedUpstream):
             **reply_spans(reply),
         }
 
+    def _reported(self, reply: Reply, body: dict[str, Any]) -> Reply:
+        """A server that reports weight versions on this wire sends them unasked."""
+        return reply
+
     def _reply_body(self, reply: Reply, *, model: str, reply_id: str, request_size: int) -> bytes:
         return orjson.dumps(self._message(reply, model, reply_id, request_size))
 

@@ -246,6 +246,10 @@ class ScriptedResponsesUpstream(ScriptedUpstream):
             self.stored[reply_id] = response
         return response
 
+    def _reported(self, reply: Reply, body: dict[str, Any]) -> Reply:
+        """A server that reports weight versions on this wire sends them unasked."""
+        return reply
+
     def _reply_body(self, reply: Reply, *, model: str, reply_id: str, request_size: int) -> bytes:
         return orjson.dumps(self._response(reply, reply_id, request_size))
 

@@ -7,7 +7,7 @@ import collections
 import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import h11
@@ -303,7 +303,7 @@ class ScriptedUpstream:
             await send_json(conn, writer, 400, self._error_body(400, detail))
             return True
         try:
-            reply = self._next_reply(body)
+            reply = self._reported(self._next_reply(body), body)
         except _ScriptError as exc:
             await send_json(conn, writer, 500, self._error_body(500, str(exc)))
             return True
@@ -328,6 +328,14 @@ class ScriptedUpstream:
                 if fault.remaining == 0:
                     self._faults.popleft()
             return fault
+
+    def _reported(self, reply: Reply, body: dict[str, Any]) -> Reply:
+        """What the wire reports of `reply`: vLLM's Chat Completions carry its weight
+        versions only when the request asked (chat_completion/serving.py sends
+        `output.weight_versions if request.return_weight_versions else None`)."""
+        if body.get("return_weight_versions") is True:
+            return reply
+        return replace(reply, weight_versions=None)
 
     def _next_reply(self, body: dict[str, Any]) -> Reply:
         with self._lock:

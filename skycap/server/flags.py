@@ -26,6 +26,7 @@ flag sets one `ServerOptions` keyword (skycap/server/options.py).
 | `--generation-config MODE` | `generation_config` | `skycap_generation_config` |
 | `--reasoning-field FIELD` | `reasoning_field` | `skycap_reasoning_field` |
 | `--upstream-auth {bearer,x-api-key}` | `upstream_auth` | `skycap_upstream_auth` |
+| `--upstream-weight-versions` | `upstream_weight_versions` | `skycap_upstream_weight_versions` |
 | `--model-api-host HOST` (repeat) | `model_api_hosts` | `skycap_model_api_host` |
 | `--record-dir DIR` | `record_dir` | `skycap_record_dir` |
 | `--record-host ADDRESS` | `record_host` | `skycap_record_host` |
@@ -372,6 +373,14 @@ FLAGS: tuple[Flag, ...] = (
         "x-api-key for api.anthropic.com, else bearer)",
         choices=UPSTREAM_AUTH,
         metavar="{bearer,x-api-key}",
+    ),
+    Flag(
+        "--upstream-weight-versions",
+        "upstream_weight_versions",
+        "text mode: ask a vLLM upstream which weight versions sampled each reply (adds "
+        "return_weight_versions to Chat Completions bodies; an upstream that refuses unknown "
+        "fields, like OpenAI's, answers 400; default off)",
+        convert=None,
     ),
     Flag(
         "--model-api-host",

@@ -60,6 +60,7 @@ class ServerOptions(TokenOptions):
 
     mode: str = "text"
     upstream_auth: str | None = None
+    upstream_weight_versions: bool = False
     model_api_hosts: tuple[str, ...] = MODEL_API_HOSTS
     record_dir: str | Path | None = None
     record_host: str | None = None
@@ -166,6 +167,11 @@ class ServerOptions(TokenOptions):
     def _check_upstream(self) -> None:
         if not self.upstream_url:
             if self.mode == "text" and self.proxy_port is not None:
+                if self.upstream_weight_versions:
+                    raise ValueError(
+                        f"{_name('upstream_weight_versions')} asks the {_name('upstream_url')} "
+                        "server for weight versions, and none is given: give one or drop it"
+                    )
                 return  # calls through the proxy go to their original host
             raise ValueError(
                 f"{_name('upstream_url')} is required: the model server's OpenAI base URL "
@@ -182,6 +188,11 @@ class ServerOptions(TokenOptions):
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as exc:
             raise ValueError(f"{_name('upstream_url')} {self.upstream_url!r}: {exc}") from None
+        if self.upstream_weight_versions and self.mode != "text":
+            raise ValueError(
+                f"{_name('upstream_weight_versions')} is a text-mode option: token mode "
+                "always reads the engine's weight versions; drop it"
+            )
         if self.mode == "tokens" and self.upstream_path.lower().endswith("/v1"):
             # Token mode appends /inference/v1/generate and /v1/models to the root, so a
             # root ending in /v1 would only ever reach /v1/inference/... and /v1/v1/models.

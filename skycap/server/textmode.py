@@ -1,7 +1,8 @@
 """Text mode (http.md §3.1): forward harness calls upstream and tap the replies.
 
 Model calls (chat, Messages, Responses) go upstream with skycap's own pooled client
-(`upstream.py`) on a task of their own, with the raw body unchanged, so a harness that
+(`upstream.py`) on a task of their own, with the raw body unchanged (but for the one
+member `--upstream-weight-versions` adds), so a harness that
 disconnects does not cancel them: the reply is read to its end and committed,
 marked `harness_saw_end: false`, and settles the retry entry replayable. A non-streamed
 reply is committed before the harness gets it; a streamed one reaches the harness through
@@ -92,6 +93,7 @@ class TextMode:
             host_header = authority if port == default_port else f"{authority}:{port}"
             self._base = options.upstream_path.encode()
             self._added = ((b"host", host_header.encode()), *self._auth(host))
+        self.ask_weight_versions = options.upstream_weight_versions
         self.timeout = options.upstream_timeout
         self.client = UpstreamPool(self.timeout)
         # An upstream that is down fails every call: one episode, not a line per call.
@@ -200,6 +202,10 @@ class TextMode:
         The flow is then answered (a complete reply or skycap's error), re-targeted to the
         loopback (a streamed reply, still arriving), or dropped (the trajectory was sealed).
         """
+        member = dialect.weight_versions_request
+        if self.ask_weight_versions and member is not None:
+            data = flow.request.data
+            data.content = with_member(data.content or b"", member)
         self.forward(flow, dialect.upstream_path)
         call = TextCall(self, flow, live, request, entry, dialect)
         await call.wait_ready()
@@ -525,6 +531,18 @@ class TextCall:
             self._send(failure)
         assert self.stream is not None
         self.stream.chunks.put_nowait(UpstreamRelay.END)
+
+
+def with_member(body: bytes, member: bytes) -> bytes:
+    """`body`, a JSON object, with `member` ("name":value) added as its first member.
+
+    Spliced, not re-serialised, so the rest of the harness's bytes go upstream as sent; a
+    name the harness set itself comes later and, as JSON parsers keep the last of a
+    repeated name, its value wins.
+    """
+    opening = body.index(b"{") + 1  # only whitespace may come before an object
+    empty = body[opening:].lstrip()[:1] == b"}"
+    return body[:opening] + member + (b"" if empty else b",") + body[opening:]
 
 
 def _text(response: http.Response) -> str:
