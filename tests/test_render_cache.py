@@ -1,9 +1,11 @@
 """The render cache with the real Qwen3 tokenizer: a cached or extended prompt is token for token
 a fresh render (fuzzed messages, tools and templates; the demo's conversations), its record
-byte-identical to an uncached one; the key, the bound, the counters and the pool built at start."""
+byte-identical to an uncached one, planned on a renderer thread or, for a new trajectory's
+first call, on the event loop; the key, the bound, the counters and the pool built at start."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -17,11 +19,14 @@ from hypothesis import strategies as st
 from skycap import demo
 from skycap.hashing import tools_hash
 from skycap.record.writer import write_record
+from skycap.tokens.backend import TokenBackend
+from skycap.tokens.interned import turn_lists
 from skycap.tokens.library_renderer import LibraryRenderer
-from skycap.tokens.plan import plan_turn
+from skycap.tokens.plan import Plan, plan_turn
 from skycap.tokens.render_cache import CachedRenderer, RenderCache, prefix_keys
-from skycap.tokens.renderer import Rendered, RenderError
+from skycap.tokens.renderer import _SHARED_INTS, Rendered, RenderError
 from skycap.tokens.renderer_pool import RendererPool
+from skycap.tokens.turn import LOOP_LOOKUP_BUDGET, LOOP_VALUE_COST, fits_on_loop
 from skycap.trajectory import Trajectory
 
 TOOL = {
@@ -284,3 +289,145 @@ def test_a_renderer_without_a_digest_is_never_cached() -> None:
         assert pool.call(lambda r: type(r)) is Plain
     finally:
         pool.close()
+
+
+def _plan_fields(plan: Plan) -> tuple[Any, ...]:
+    new = [(m.message, m.match_hash, m.ids.dtype, m.ids.tolist()) for m in plan.new]
+    scaffold = (plan.scaffold.dtype, plan.scaffold.tolist())
+    return plan.prompt_ids, plan.parent, new, scaffold, plan.bridged, plan.reused, plan.routes_from
+
+
+def test_a_cached_first_call_is_planned_from_the_cache_alone_exactly_as_a_render(
+    qwen3_renderer: LibraryRenderer,
+) -> None:
+    start = [demo.SYSTEM, {"role": "user", "content": "Investigate the group task."}]
+    tools, key = demo.TOOLS, tools_hash(demo.TOOLS)
+    fresh = plan_turn(
+        Trajectory("tr_00000000000000d0", capture={}).graph, qwen3_renderer, start, tools, key, "m"
+    )
+    pool = RendererPool(lambda: qwen3_renderer, 1, RenderCache(1 << 26))
+    try:
+        graphs = [Trajectory(f"tr_00000000000000d{n}", capture={}).graph for n in (1, 2)]
+
+        def planned(graph: Any) -> Any:
+            return lambda r: plan_turn(graph, r, start, tools, key, "m")
+
+        assert pool.from_cache(planned(graphs[0])) is None  # nothing cached: the thread's work
+        assert pool.cache is not None and pool.cache.counters()["render_cache_misses"] == 0
+        first = pool.call(planned(graphs[0]))
+        again = pool.from_cache(planned(graphs[1]))
+        assert again is not None
+        assert _plan_fields(first) == _plan_fields(again) == _plan_fields(fresh)
+        counters = pool.cache.counters()
+        assert (counters["render_cache_hits"], counters["render_cache_misses"]) == (1, 1)
+        # A hit's ids are the shared int objects, so the kept lists are its very list.
+        assert again.shared and not first.shared
+        assert all(t is _SHARED_INTS[t] for t in again.prompt_ids)
+    finally:
+        pool.close()
+
+
+def _first_plan(graph: Any, renderer: Any) -> Plan:
+    start = [demo.SYSTEM, {"role": "user", "content": "Investigate agent-a."}]
+    return plan_turn(graph, renderer, start, demo.TOOLS, tools_hash(demo.TOOLS), "policy")
+
+
+def _repetitions(view: Any, pool: RendererPool, count: int) -> list[Trajectory]:
+    """New trajectories whose first calls repeat the demo's, each planned from the cache on
+    the calling thread where it can be, else by `view`; committed the backend's way."""
+    from skycap.tokens.commit import commit_turn
+    from skycap.tokens.engine import EngineOutput
+
+    trajectories = []
+    for n in range(count):
+        trajectory = Trajectory(f"tr_00000000000000c{n}", capture={"mode": "tokens"})
+        planned = functools.partial(_first_plan, trajectory.graph)
+        plan = pool.from_cache(planned) or planned(view)
+        ids = view._tokenizer.encode("Done: read it.", add_special_tokens=False)
+        ids.append(view.stop_token_ids[0])
+        reply = view.parse(ids, demo.TOOLS, plan.prompt_ids)
+        output = EngineOutput(ids, [-0.25] * len(ids), "stop")
+        call = {"t_start": 1.0, "t_end": 2.0, "model": "policy", "sampling": {}}
+        node = commit_turn(trajectory, plan, output, reply, call, tools=demo.TOOLS, model="policy")
+        assert node is not None
+        kept = turn_lists(trajectory.graph, node.id, plan, output, None)
+        assert kept.prompt_ids == plan.prompt_ids
+        trajectories.append(trajectory)
+    return trajectories
+
+
+def test_records_of_first_calls_planned_from_the_cache_are_byte_identical(
+    qwen3_renderer: LibraryRenderer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    records = []
+    for name, cache in (("plain", None), ("cached", RenderCache(1 << 26))):
+        pool = RendererPool(lambda: qwen3_renderer, 1, cache)
+        view: Any = qwen3_renderer
+        if cache is not None:
+            view = CachedRenderer(qwen3_renderer, cache, qwen3_renderer.render_digest)
+        try:
+            written = []
+            for n, trajectory in enumerate(_repetitions(view, pool, 3)):
+                out = tmp_path / f"{name}{n}"
+                out.mkdir()
+                written.append([(out / f).read_bytes() for f in write_record(trajectory, out)])
+            records.append(written)
+        finally:
+            pool.close()
+    assert cache is not None and cache.counters()["render_cache_hits"] == 2
+    assert records[0] == records[1]
+
+
+async def test_a_repeated_first_call_through_the_backend_skips_the_renderer_thread(
+    qwen3_renderer: LibraryRenderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine answers in-process; the second trajectory's plan needs no renderer thread,
+    and its nodes are token for token the first one's."""
+    import orjson
+
+    from skycap.dialects.chat import DIALECT as CHAT
+
+    backend = TokenBackend(upstream_url="http://engine", model="policy", renderer=qwen3_renderer)
+    stop = qwen3_renderer.stop_token_ids[0]
+    ids = [*qwen3_renderer._tokenizer.encode("Done.", add_special_tokens=False), stop]
+
+    async def generate(session_id: str, payload: bytes) -> tuple[int, bytes]:
+        logprobs = {"content": [{"logprob": -0.5} for _ in ids]}
+        choice = {"index": 0, "token_ids": ids, "logprobs": logprobs, "finish_reason": "stop"}
+        return 200, orjson.dumps({"choices": [choice]})
+
+    monkeypatch.setattr(backend.client, "generate", generate)
+    hops = []
+    run = backend.settings.pool.run
+
+    async def counted(fn: Any) -> Any:
+        hops.append(fn)
+        return await run(fn)
+
+    monkeypatch.setattr(backend.settings.pool, "run", counted)
+    start = [demo.SYSTEM, {"role": "user", "content": "Investigate the group task."}]
+    body = {"model": "policy", "messages": start, "tools": demo.TOOLS}
+    try:
+        trajectories = [
+            Trajectory(f"tr_00000000000000e{n}", capture=backend.capture) for n in (1, 2)
+        ]
+        for traj in trajectories:
+            reply = await backend.call(traj, CHAT.read(dict(body)), CHAT)
+            assert reply.status == 200, reply.body
+        assert len(hops) == 3  # plan and parse, then the parse alone
+        nodes = [[(n.message, n.tokens.ids.tolist()) for n in t.graph] for t in trajectories]
+        assert nodes[0] == nodes[1]
+        counters = backend.settings.cache_counters()
+        assert (counters["render_cache_hits"], counters["render_cache_misses"]) == (1, 1)
+    finally:
+        await backend.close()
+
+
+def test_what_is_looked_up_on_the_loop_is_bounded() -> None:
+    user = {"role": "user", "content": "x" * 1000}
+    assert fits_on_loop([user], None)
+    assert not fits_on_loop([{"role": "user", "content": "x" * LOOP_LOOKUP_BUDGET}], None)
+    assert not fits_on_loop([user], [{"n": n} for n in range(LOOP_LOOKUP_BUDGET // 100)])
+    many = list(range(LOOP_LOOKUP_BUDGET // LOOP_VALUE_COST + 1))
+    assert not fits_on_loop([{"role": "user", "content": many}], None)

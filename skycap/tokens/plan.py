@@ -41,7 +41,8 @@ class Plan:
     `prompt_ids` is the whole prompt: `reused` tokens already in the graph on the path to
     `parent`, then each new message's chunk, then `scaffold` (the generation prompt, which
     becomes the model node's scaffold). `bridged` is recorded on the call (None: the graph
-    was empty when the turn was planned).
+    was empty when the turn was planned). `shared`: `prompt_ids` are the shared int objects
+    (a render cache hit's), so the lists kept for the next turn can be this very list.
     """
 
     prompt_ids: list[int]
@@ -51,6 +52,7 @@ class Plan:
     bridged: bool | None
     reused: int
     routes_from: int
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +255,8 @@ def _full_render(
 ) -> Plan:
     """Render everything; keep the matched nodes whose tokens the render reproduces exactly."""
     result = _render(renderer, messages, tools)
-    ids = np.asarray(result.token_ids, dtype=np.int32)
-    owner = _owners(ids, result.message_indices, len(messages))
+    ids, indices = _arrays(result)
+    owner = _owners(ids, indices, len(messages))
     kept, reused = _kept_prefix(graph, matched, ids, owner)
     tail_owner = owner[reused:] - kept
     # Tokens after a kept model node that the template adds to its message (the separator
@@ -264,9 +266,22 @@ def _full_render(
     chunks, scaffold = _split(ids[reused:], tail_owner, len(messages) - kept)
     path = [graph[node_id] for node_id in matched[:kept]]
     bridged = False if len(graph) else None
-    return _plan(
+    plan = _plan(
         result.token_ids, path, messages, carried, chunks, scaffold, bridged=bridged, reused=reused
     )
+    plan.shared = result.shared
+    return plan
+
+
+def _arrays(result: Rendered) -> tuple[np.ndarray, Sequence[int]]:
+    """(token ids as an int32 array, message indices) of a full render.
+
+    A render cache hit carries both as arrays already; converting its lists again would be
+    most of what the hit costs.
+    """
+    if result.arrays is not None:
+        return result.arrays
+    return np.asarray(result.token_ids, dtype=np.int32), result.message_indices
 
 
 def _kept_prefix(

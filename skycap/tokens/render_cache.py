@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from skycap.tokens.renderer import Rendered, Renderer
+import numpy as np
+
+from skycap.tokens.renderer import Rendered, Renderer, shared_ids
 
 #: Bytes an entry costs besides its token ids and indices (key, array headers, LRU links).
 ENTRY_OVERHEAD = 256
@@ -83,13 +84,27 @@ class _Entry:
     __slots__ = ("ids", "indices", "size")
 
     def __init__(self, rendered: Rendered) -> None:
-        self.ids = array("i", rendered.token_ids)
-        self.indices = array("i", rendered.message_indices)
+        self.ids = _frozen(rendered.token_ids)
+        self.indices = _frozen(rendered.message_indices)
         self.size = (len(self.ids) + len(self.indices)) * 4 + ENTRY_OVERHEAD
 
     def rendered(self) -> Rendered:
-        """Fresh lists each time, so a caller changing them cannot change a later hit."""
-        return Rendered(self.ids.tolist(), self.indices.tolist())
+        """Fresh lists each time, so a caller changing them cannot change a later hit, the ids
+        as shared ints (quicker to make than new ones, and what a trajectory keeps); with the
+        entry's own arrays, read-only, so the plan need not convert the lists back."""
+        return Rendered(
+            shared_ids(self.ids),
+            self.indices.tolist(),
+            arrays=(self.ids, self.indices),
+            shared=True,
+        )
+
+
+def _frozen(values: list[int]) -> np.ndarray:
+    """`values` as a read-only int32 array (token ids and message indices both fit)."""
+    out = np.array(values, dtype=np.int32)
+    out.flags.writeable = False
+    return out
 
 
 class RenderCache:
@@ -107,17 +122,18 @@ class RenderCache:
         self.misses = 0
         self.bytes = 0
 
-    def lookup(self, key: bytes, *, count: bool = True) -> Rendered | None:
-        """The render cached under `key`; `count` False looks without counting a hit or miss."""
+    def lookup(
+        self, key: bytes, *, count_hit: bool = True, count_miss: bool = True
+    ) -> Rendered | None:
+        """The render cached under `key`, counted as a hit or a miss unless told not to."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-            if count:
-                if entry is None:
-                    self.misses += 1
-                else:
+                if count_hit:
                     self.hits += 1
+            elif count_miss:
+                self.misses += 1
         return None if entry is None else entry.rendered()
 
     def store(self, key: bytes, rendered: Rendered) -> None:
@@ -184,7 +200,35 @@ class CachedRenderer:
         if extend is None:
             return None
         for length in range(len(keys) - 1, 0, -1):
-            prefix = self._cache.lookup(keys[length - 1], count=False)
+            prefix = self._cache.lookup(keys[length - 1], count_hit=False, count_miss=False)
             if prefix is not None:
                 return extend(prefix, messages[:length], messages[length:], tools)
         return None
+
+
+class NotCached(Exception):
+    """What a CacheOnly renderer raises for anything but a render the cache holds."""
+
+
+class CacheOnly:
+    """The render cache as a renderer that renders nothing, safe to use on the event loop.
+
+    `render` answers a prompt the cache holds, counted as a hit; anything else, and every
+    bridge, raises NotCached, and the caller then does the work on a renderer thread (which
+    counts the miss). A cached prompt needs no tokenizer, so a call planned from it is
+    spared the hop to a renderer thread and back, a large share of what a hit costs.
+    """
+
+    def __init__(self, cache: RenderCache, scope: bytes) -> None:
+        self._cache = cache
+        self._scope = scope
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> Rendered:
+        keys = prefix_keys(self._scope, messages, tools)
+        hit = None if keys is None else self._cache.lookup(keys[-1], count_miss=False)
+        if hit is None:
+            raise NotCached
+        return hit
+
+    def bridge(self, *args: Any, **kwargs: Any) -> Rendered | None:
+        raise NotCached

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from skycap.tokens.library_renderer import LibraryRenderer
-from skycap.tokens.render_cache import CachedRenderer, RenderCache
+from skycap.tokens.render_cache import CachedRenderer, CacheOnly, NotCached, RenderCache
 from skycap.tokens.renderer import Renderer
 
 T = TypeVar("T")
@@ -78,6 +78,20 @@ class RendererPool:
             finally:
                 with self._lock:
                     self._free.append(renderer)
+
+    def from_cache(self, fn: Callable[[Renderer], T]) -> T | None:
+        """`fn(renderer)` on the calling thread, the event loop included, with a renderer that
+        only answers renders the cache holds; None without a cache or when `fn` needed more.
+
+        Looking up costs hashing the messages and copying the cached ids, which the caller
+        bounds; nothing here touches a tokenizer.
+        """
+        if self.cache is None:
+            return None
+        try:
+            return fn(CacheOnly(self.cache, self._scope))  # type: ignore[arg-type]
+        except NotCached:
+            return None
 
     async def run(self, fn: Callable[[Renderer], T]) -> T:
         """Run `fn(renderer)` on a pool thread and await its result."""

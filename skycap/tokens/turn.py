@@ -5,8 +5,9 @@ commit, and answer in the call's dialect, streamed or whole.
 
 Every step raises TurnError, which says nothing of a dialect; TokenBackend.call writes it
 as the caller's error body. An engine failure is recorded on the trajectory's failures first.
-Renderer work runs on the renderer pool's threads; the commit runs on the event loop. The
-caller holds the trajectory's turn lock.
+Renderer work runs on the renderer pool's threads; the commit runs on the event loop, as
+does the plan of a small new trajectory's first call the render cache holds (a lookup, no
+renderer work). The caller holds the trajectory's turn lock.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from skycap.tokens.interned import turn_lists
 from skycap.tokens.outcome import Reply, TurnError, closed, too_long
 from skycap.tokens.plan import Plan, PlanError, TurnLists, plan_turn
 from skycap.tokens.relay import Relay
-from skycap.tokens.renderer import RenderError
+from skycap.tokens.renderer import Renderer, RenderError
 from skycap.tokens.reply import answered_message, finish_reason, reply_message
 from skycap.tokens.sampling import (
     SamplingError,
@@ -48,6 +49,12 @@ from skycap.trajectory import FAILED, Trajectory
 ENGINE_ERROR_BODY_LIMIT = 2000
 #: The flag a vLLM server needs for sampling masks (config/model.py `return_sampling_mask`).
 MASK_FLAG = "--return-sampling-mask"
+#: What a new trajectory's first call may cost to look up in the render cache on the event
+#: loop (fits_on_loop): about 64k characters of messages and tools, some 16k tokens, which
+#: hash and copy out of the cache in well under a millisecond.
+LOOP_LOOKUP_BUDGET = 64_000
+#: What fits_on_loop charges for a value other than a string.
+LOOP_VALUE_COST = 64
 
 
 @dataclass
@@ -177,13 +184,24 @@ class TokenTurn:
     # -- before inference ---------------------------------------------------------------
 
     async def plan(self, model: str) -> Plan:
-        """The prompt, bridged from the last turn where it can be; a 400 if it cannot."""
+        """The prompt, bridged from the last turn where it can be; a 400 if it cannot.
+
+        A new trajectory's first call needs only a full render; when the render cache holds
+        it and the call is small enough to hash on the event loop, it is planned there,
+        sparing the hop to a renderer thread and back (a GRPO group's repetitions).
+        """
         graph, messages, tools = self.trajectory.graph, self.request.messages, self.tools
         key, last_turn = tools_hash(tools), self.state.last_turn
+
+        def planned(renderer: Renderer) -> Plan:
+            return plan_turn(graph, renderer, messages, tools, key, model, last_turn)
+
         try:
-            return await self.settings.pool.run(
-                lambda r: plan_turn(graph, r, messages, tools, key, model, last_turn)
-            )
+            if not len(graph) and fits_on_loop(messages, tools):
+                cached = self.settings.pool.from_cache(planned)
+                if cached is not None:
+                    return cached
+            return await self.settings.pool.run(planned)
         except PlanError as exc:
             raise TurnError(400, str(exc)) from exc
 
@@ -397,6 +415,31 @@ class TokenTurn:
             headers["content-type"] = "application/json"
             payload = self.dialect.reply_json(data)
         return Reply(200, headers, payload, replayable=status == "ok")
+
+
+def fits_on_loop(*values: Any) -> bool:
+    """Whether `values` (a call's messages and tools) are small enough to look up in the
+    render cache on the event loop, where hashing them must stay well under a millisecond.
+
+    A string costs its length, any other value LOOP_VALUE_COST (hashing one is a Python
+    step, not a byte); a container is charged for its items before they are walked, so the
+    walk stops as soon as the budget is spent and this check is bounded too.
+    """
+    budget = LOOP_LOOKUP_BUDGET
+    pending = list(values)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            budget -= len(value)
+        elif isinstance(value, dict | list):
+            budget -= LOOP_VALUE_COST * (len(value) + 1)
+            if budget >= 0:
+                pending.extend(value)  # a dict's keys, strings charged by length
+                if isinstance(value, dict):
+                    pending.extend(value.values())
+        if budget < 0:
+            return False
+    return True
 
 
 def reasoning_tokens(completion_ids: Sequence[int], think_end: int | None) -> int:
