@@ -1,5 +1,5 @@
-"""Text-mode overhead benchmark: direct, a minimal aiohttp relay, a no-op lean mitmproxy, and
-skycap, in one run.
+"""Text-mode overhead benchmark: direct, a minimal aiohttp relay, a no-op addon, and skycap, in
+one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
         [--api chat,messages,responses] [--upstream asyncio,threaded]
@@ -8,7 +8,9 @@ The relay is the baseline a capture server is held to: an aiohttp server that pa
 request body, sends it upstream with one pooled aiohttp client, parses a whole reply (or
 passes an event stream on chunk by chunk) and answers; nothing is recorded. `--upstream
 threaded` (Chat Completions only) replaces the asyncio mock upstream with a
-thread-per-connection `http.server` one.
+thread-per-connection `http.server` one. The no-op is the server skycap runs (the same
+runner, listener and event loop) with an addon that only re-targets each call to the
+upstream and streams event streams through: the transport's own cost, without capture.
 
 The mock upstream, the relay, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
@@ -391,7 +393,7 @@ def report(cells: list[Cell]) -> None:
             f"{c.p50:>9.3f}{c.p99:>9.3f}{cpu:>13}"
         )
     print()
-    print("added p50 over direct (ms) and server CPU per call (ms): relay, no-op mitmproxy, skycap")
+    print("added p50 over direct (ms) and server CPU per call (ms): relay, no-op addon, skycap")
     print(
         f"{'api/upstream':<17}{'stream':<7}{'conc':>5}{'+p50 relay':>11}{'noop':>7}"
         f"{'skycap':>8}{'cpu relay':>10}{'noop':>7}{'skycap':>8}{'skycap/relay p50, cpu':>23}"

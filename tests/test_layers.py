@@ -61,10 +61,16 @@ INNER_LAYERS = [
             "skycap.server.loopback",
             "skycap.server.earlier",
             "skycap.server.routes",
+            "skycap.server.messages",
         ),
         ("skycap.server.mode",),
         ("skycap.server.harness",),
-        ("skycap.server.textmode", "skycap.server.tokenmode", "skycap.server.websocket"),
+        (
+            "skycap.server.textmode",
+            "skycap.server.tokenmode",
+            "skycap.server.websocket",
+            "skycap.server.frontdoor",
+        ),
         ("skycap.server.addon",),
     ],
     [  # a dialect's writer is cut from its reply pieces; the dialect object sits on both

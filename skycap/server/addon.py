@@ -37,6 +37,7 @@ from skycap.server.conns import Connections, listen_address
 from skycap.server.control import ACCEPTED, CHALLENGE, MISSING, Control
 from skycap.server.destinations import Destinations
 from skycap.server.flowstate import FlowState, state_of
+from skycap.server.frontdoor import FrontDoor
 from skycap.server.harness import Harness
 from skycap.server.loopback import Drained, Loopback
 from skycap.server.mode import CallMode, harness_error, respond
@@ -194,6 +195,8 @@ class SkycapAddon:
         self.store: TrajectoryStore | None = None
         self.mode: CallMode | None = None
         self.running_loop: asyncio.AbstractEventLoop | None = None
+        #: The base-URL port, once listening.
+        self.port = 0
         self.conns = Connections()
         self.proxy: Proxy | None = None
         # client connection id -> flows with a large answer that may still be being sent
@@ -266,24 +269,32 @@ class SkycapAddon:
         self.store.start()
         assert self.options is not None and self.mode is not None
         await self.mode.start()
+        if not self._from_script:
+            return  # `runner.serve` listens on the base-URL port and calls `started`
         try:
-            port = listen_address(proxyserver, ReverseMode)[1]
+            self.port = listen_address(proxyserver, ReverseMode)[1]
         except LookupError:  # the listener failed to bind: whoever started mitmproxy says so
             return
+        if not self.options.no_control_token:
+            path = self.publish_token(self.port, default=True)
+            logger.warning("skycap: the control token is in %s", path)
+        self.started()
+
+    def attach_front_door(self, front: FrontDoor, port: int) -> None:
+        """`runner.serve` answers the base-URL port with `front` (`frontdoor.py`)."""
+        self.conns.attach_front_door(front)
+        front.answer_locally(self.loopback.take)
+        self.port = port
+
+    def started(self) -> None:
+        """The server is up: started, with its control token published where it goes."""
+        assert self.options is not None
         if self.options.no_control_token:
             logger.warning(
                 "the control token is off (--no-control-token): anyone who can reach port %s, "
                 "a harness included, can create, list, read and finish trajectories",
-                port,
+                self.port,
             )
-        elif self._from_script:
-            path = self.publish_token(port, default=True)
-            logger.warning("skycap: the control token is in %s", path)
-        if self._from_script:
-            self.started()
-
-    def started(self) -> None:
-        """The server is up: started, with its control token published where it goes."""
         self.up = True
 
     def publish_token(self, port: int, *, default: bool) -> Path | None:

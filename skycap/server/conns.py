@@ -1,13 +1,12 @@
-"""Connection surgery on live mitmproxy flows: answer directly, drop, or abort the upstream.
+"""Connection surgery on live flows: answer a harness connection directly, or drop it.
 
-mitmproxy 12 offers no hook-level way to do three things text mode needs, so they live
-here, in one place, on top of the proxyserver's connection handlers:
+mitmproxy 12 offers no hook-level way to do two things text mode needs, so they live
+here, in one place, on top of the proxyserver's connection handlers (or the front door's,
+for a base-URL connection it serves):
 
 * answer a harness call with skycap's own OpenAI-shaped 502 when the upstream connection
   fails or times out (mitmproxy would send its own HTML error page);
-* drop a harness connection (a sealed trajectory's call, http.md §6);
-* abort a hung upstream call (`--upstream-timeout`); killing a flow in transit is
-  not supported by mitmproxy (its issue 4711).
+* drop a harness connection (a sealed trajectory's call, http.md §6).
 
 It also finds the address each listener (reverse or proxy mode) actually bound.
 """
@@ -43,9 +42,17 @@ class Connections:
 
     def __init__(self) -> None:
         self._proxyserver: Any = None
+        self._front: Any = None
 
     def attach(self, proxyserver: Any) -> None:
         self._proxyserver = proxyserver
+
+    def attach_front_door(self, front: Any) -> None:
+        """The base-URL listener (`frontdoor.FrontDoor`), which owns its own connections."""
+        self._front = front
+
+    def _front_serves(self, flow: http.HTTPFlow) -> bool:
+        return self._front is not None and self._front.serves(flow.client_conn.id)
 
     def _transport(self, flow: http.HTTPFlow, connection: Any) -> Any:
         if self._proxyserver is None:
@@ -66,25 +73,29 @@ class Connections:
             return False  # raw bytes would bypass the TLS layer of a proxied HTTPS call
         if not flow.client_conn.state & ConnectionState.CAN_WRITE:
             return False
+        if self._front_serves(flow):
+            return self._front.respond(flow.client_conn.id, _answer(status, body))
         transport = self._transport(flow, flow.client_conn)
         if transport is None or transport.writer is None or transport.writer.is_closing():
             return False
-        response = http.Response.make(
-            status, body, {"content-type": "application/json", "connection": "close"}
-        )
-        transport.writer.write(http1.assemble_response(response))
+        transport.writer.write(_answer(status, body))
         flow.client_conn.state &= ~ConnectionState.CAN_WRITE
         transport.handler.cancel("skycap answered")
         return True
 
     def drop(self, flow: http.HTTPFlow) -> None:
         """Close the harness connection without a (further) response."""
+        if self._front_serves(flow):
+            self._front.drop(flow.client_conn.id)
+            return
         transport = self._transport(flow, flow.client_conn)
         if transport is not None and transport.handler is not None:
             transport.handler.cancel("dropped by skycap")
 
-    def abort_upstream(self, flow: http.HTTPFlow) -> None:
-        """Close (or stop opening) the upstream connection; mitmproxy then fires `error`."""
-        transport = self._transport(flow, flow.server_conn)
-        if transport is not None and transport.handler is not None:
-            transport.handler.cancel("skycap upstream timeout")
+
+def _answer(status: int, body: bytes) -> bytes:
+    """A complete JSON response that closes the connection after it."""
+    response = http.Response.make(
+        status, body, {"content-type": "application/json", "connection": "close"}
+    )
+    return http1.assemble_response(response)

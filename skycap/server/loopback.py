@@ -6,6 +6,10 @@ port instead, and the harness's flow is pointed at it (`retarget`): a text-mode 
 relayed as skycap reads it from the upstream (`UpstreamRelay`), a token-mode reply sent
 as it is generated (`GeneratedReply`), the 413 after draining an oversize body
 (`Drained`). Each registered answer is served once, at its own unguessable path.
+
+The base-URL listener (`frontdoor`) takes a re-targeted flow's answer here (`take`) and
+writes it to the harness itself, without the hop; the proxy listener and WebSocket
+calls still go through the port. An answer is the same object either way (`open`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,29 @@ _ERRORS = (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverru
 _TRANSFER = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 
 
+class Broken(Exception):
+    """An answer's body broke off: its response must end without its last chunk."""
+
+
+class Opened:
+    """An answer's response: status, headers (no transfer headers) and body pieces, which
+    raise `Broken` when the body breaks off; `close` asks the hop to close after it."""
+
+    __slots__ = ("status", "headers", "pieces", "close")
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        pieces: AsyncIterator[bytes],
+        close: bool = False,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.pieces = pieces
+        self.close = close
+
+
 class Answer(Protocol):
     """Something the loopback serves once: writes its response, says whether to keep the
     connection open for the next request mitmproxy sends on it."""
@@ -37,6 +64,40 @@ class Answer(Protocol):
 
     def abandoned(self) -> None:
         """The connection failed before the answer was written to its end."""
+
+
+class ResponseAnswer:
+    """An answer that is one HTTP response (`open`), which the base-URL listener can
+    write to the harness itself; on the port it goes out chunked."""
+
+    __slots__ = ()
+
+    async def open(self, body_size: int, body: asyncio.StreamReader) -> Opened:
+        """The response; `body` holds the request's `body_size` bytes, unread."""
+        raise NotImplementedError
+
+    def abandoned(self) -> None:
+        """The connection failed before the answer was written to its end."""
+
+    async def serve(
+        self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        opened = await self.open(_content_length(head), reader)
+        lines = [b"HTTP/1.1 %d OK" % opened.status, *(k + b": " + v for k, v in opened.headers)]
+        lines.append(b"transfer-encoding: chunked")
+        if opened.close:
+            lines.append(b"connection: close")
+        writer.write(b"\r\n".join(lines) + b"\r\n\r\n")
+        await writer.drain()
+        try:
+            async for data in opened.pieces:  # each piece one chunk, drained before the next
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                await writer.drain()
+        except Broken:
+            return False  # no terminator: the reader sees the body break off
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return not opened.close
 
 
 class Loopback:
@@ -65,6 +126,18 @@ class Loopback:
     def forget(self, path: bytes) -> None:
         """The flow never reached the loopback (the harness left first)."""
         self._answers.pop(path, None)
+
+    def take(self, flow: http.HTTPFlow) -> ResponseAnswer | None:
+        """The response a flow re-targeted here is for (now taken), or None for another
+        flow or an answer that must own the connection (a WebSocket's sink)."""
+        data = flow.request.data
+        if data.port != self.port or data.host != "127.0.0.1":
+            return None
+        answer = self._answers.get(data.path)
+        if not isinstance(answer, ResponseAnswer):
+            return None
+        del self._answers[data.path]
+        return answer
 
     def retarget(self, flow: http.HTTPFlow, answer: Answer, *, body: bool = False) -> bytes:
         """Point `flow` at this server for `answer`; its request body goes along only with
@@ -103,22 +176,7 @@ class Loopback:
                     writer.close()
 
 
-def _head(status: bytes, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
-    lines = [b"HTTP/1.1 " + status, *(k + b": " + v for k, v in headers)]
-    lines.append(b"transfer-encoding: chunked")
-    if close:
-        lines.append(b"connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-async def _chunked(writer: asyncio.StreamWriter, pieces: AsyncIterator[bytes]) -> None:
-    """Each piece as one HTTP chunk, drained before the next is awaited."""
-    async for data in pieces:
-        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-        await writer.drain()
-
-
-class UpstreamRelay:
+class UpstreamRelay(ResponseAnswer):
     """A text-mode reply relayed as skycap reads it: status, headers, then the chunks the
     call's task queues, until `END` (the chunked terminator) or `BROKEN` (the upstream
     broke: the connection closes without one, so the harness sees a failed stream)."""
@@ -132,24 +190,15 @@ class UpstreamRelay:
         self.headers = [(k, v) for k, v in headers if k.lower() not in _TRANSFER]
         self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
 
-    async def serve(
-        self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        writer.write(_head(b"%d OK" % self.status, self.headers, close=False))
-        ended: list[bytes | None] = []
-        await _chunked(writer, self._pieces(ended))
-        if ended[0] is self.BROKEN:
-            return False
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        return True
+    async def open(self, body_size: int, body: asyncio.StreamReader) -> Opened:
+        return Opened(self.status, self.headers, self._pieces())
 
     def abandoned(self) -> None:
         """The task reads the upstream to its end regardless."""
 
-    async def _pieces(self, ended: list[bytes | None]) -> AsyncIterator[bytes]:
+    async def _pieces(self) -> AsyncIterator[bytes]:
         """Whatever is queued goes out joined, as one piece: when the upstream is ahead of
-        this hop, mitmproxy then reads, and relays, one piece instead of many."""
+        the harness, one write carries what arrived meanwhile."""
         queue = self.chunks
         while True:
             chunk = await queue.get()
@@ -161,12 +210,13 @@ class UpstreamRelay:
                 chunk = queue.get_nowait()
             if pieces:
                 yield b"".join(pieces)
-            if chunk is self.BROKEN or chunk == self.END:
-                ended.append(chunk)
+            if chunk is self.BROKEN:
+                raise Broken("the upstream broke off")
+            if chunk == self.END:
                 return
 
 
-class GeneratedReply:
+class GeneratedReply(ResponseAnswer):
     """A token-mode reply sent as it is written (its `ReplyStream`, with keep-alives); a
     harness that does not read it to its end is marked on the stream (`harness_left`)."""
 
@@ -175,22 +225,15 @@ class GeneratedReply:
     def __init__(self, stream: ReplyStream) -> None:
         self.stream = stream
 
-    async def serve(
-        self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
+    async def open(self, body_size: int, body: asyncio.StreamReader) -> Opened:
         headers = [(k.encode(), v.encode()) for k, v in self.stream.headers.items()]
-        writer.write(_head(b"200 OK", headers, close=True))
-        await writer.drain()
-        await _chunked(writer, self.stream.chunks())
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        return False
+        return Opened(200, headers, self.stream.chunks(), close=True)
 
     def abandoned(self) -> None:
         self.stream.harness_left = True
 
 
-class Drained:
+class Drained(ResponseAnswer):
     """An oversize request body read and discarded, then answered 413 with `body` (the
     caller's error shape): a client still sending would see a reset if the connection
     were simply closed."""
@@ -200,22 +243,14 @@ class Drained:
     def __init__(self, body: bytes) -> None:
         self.body = body
 
-    async def serve(
-        self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        remaining = _content_length(head)
+    async def open(self, body_size: int, body: asyncio.StreamReader) -> Opened:
+        remaining = body_size
         while remaining > 0:
-            data = await reader.read(min(_READ, remaining))
+            data = await body.read(min(_READ, remaining))
             if not data:
-                return False
+                raise asyncio.IncompleteReadError(b"", remaining)
             remaining -= len(data)
-        body = self.body
-        writer.write(
-            b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await writer.drain()
-        return False
+        return Opened(413, [(b"content-type", b"application/json")], _once(self.body), close=True)
 
     def abandoned(self) -> None:
         """Nothing waits on a drained body."""
@@ -227,3 +262,7 @@ def _content_length(head: bytes) -> int:
         if name.strip().lower() == b"content-length":
             return int(value.strip())
     return 0
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body

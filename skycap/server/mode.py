@@ -15,16 +15,15 @@ from mitmproxy import http
 
 from skycap.dialects import Dialect, Request
 from skycap.dialects.chat import DIALECT as DEFAULT_DIALECT
+from skycap.server import messages
 from skycap.server.live import Live
 from skycap.server.retry import CallKey, Entry
 from skycap.server.store import TrajectoryStore
 
-_JSON = ((b"content-type", b"application/json"),)
 
-
-def respond(flow: http.HTTPFlow, status: int, body: bytes, headers: Any = _JSON) -> None:
+def respond(flow: http.HTTPFlow, status: int, body: bytes, headers: Any = messages.JSON) -> None:
     """Answer from a request hook; mitmproxy then contacts no upstream for this flow."""
-    flow.response = http.Response.make(status, body, headers)
+    flow.response = messages.response(status, body, headers)
 
 
 def harness_error(

@@ -1,8 +1,10 @@
 """Run a capture server: mitmproxy in-process on the current event loop with a lean addon set.
 
 `serve()` is what `skycap serve` runs and what the embedded CaptureService runs on its
-own thread's loop. It binds `options.host:options.port`, reports the bound URL through
-`ready`, serves until `stop_event` is set, then closes the listening socket and lets the
+own thread's loop. It binds `options.host:options.port` (the base-URL listener, served by
+`frontdoor.FrontDoor` through the addon's hooks; what that loop does not speak goes on to
+mitmproxy's reverse mode, which listens on 127.0.0.1 only), reports the bound URL through
+`ready`, serves until `stop_event` is set, then closes the listening sockets and lets the
 addon write every trajectory still in memory (mitmproxy's `done` hook). With
 `options.proxy_port` it also listens as a regular (HTTPS_PROXY) proxy on that port, in the
 same process, signing with the CA in `options.confdir` (the addon reports the bound port).
@@ -23,7 +25,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 
 from skycap.logqueue import install_log_queue, uninstall_log_queue
 from skycap.server.addon import SkycapAddon
-from skycap.server.conns import listen_address
+from skycap.server.frontdoor import FrontDoor
 from skycap.server.options import ServerOptions
 
 logger = logging.getLogger("skycap.server")
@@ -31,9 +33,9 @@ logger = logging.getLogger("skycap.server")
 # mitmproxy logs every connection at INFO, and httpcore builds DEBUG records per request
 # (the cost is measured in docs/notes): keep them at WARNING unless skycap itself is at DEBUG.
 CHATTY_LOGGERS = ("mitmproxy", "httpx", "httpcore", "hpack")
-# The reverse listener's target is never contacted (the addon answers or re-targets
-# every flow); without an upstream URL (text mode behind the proxy) it names the discard port.
-NO_TARGET = "http://127.0.0.1:9"
+#: Where mitmproxy's reverse mode listens: it only takes the connections the front door
+#: hands it, on their own sockets.
+HANDOVER_HOST = "127.0.0.1"
 
 
 def quiet_third_party_loggers() -> None:
@@ -137,11 +139,10 @@ async def _serve(
         opts.update(confdir=str(options.confdir))  # before tlsconfig first reads it
     master = Master(opts, event_loop=loop)
     signal = _Running()
-    master.addons.add(*lean_addons(), *(addons or [SkycapAddon(options)]), signal)
+    own = list(addons) if addons else [SkycapAddon(options)]  # the front door calls these
+    master.addons.add(*lean_addons(), *own, signal)
     opts.update(
         mode=_modes(options),
-        listen_host=options.host,
-        listen_port=options.port,
         connection_strategy="lazy",
         keep_host_header=True,
     )
@@ -155,53 +156,77 @@ async def _serve(
     # Every hook of every flow visits each addon in the chain: the signal's job is done.
     master.addons.remove(signal)
     server = master.addons.get("proxyserver")
+    front: FrontDoor | None = None
     try:
         for instance in server.servers:
             if instance.last_exception is not None:
                 is_proxy = not isinstance(instance.mode, ReverseMode)
-                port = options.proxy_port if is_proxy else options.port
-                what = "the proxy listener" if is_proxy else "the server"
+                port = options.proxy_port if is_proxy else 0
+                host = options.host if is_proxy else HANDOVER_HOST
+                what = "the proxy listener" if is_proxy else "mitmproxy's reverse listener"
                 flag = "--proxy-port" if is_proxy else "--port"
                 # mitmproxy appends advice about its own --mode flag: keep the first line.
                 reason = str(instance.last_exception).splitlines()[0]
                 raise OSError(
-                    f"{what} cannot listen on {options.host}:{port}: {reason}; pass another {flag}"
+                    f"{what} cannot listen on {host}:{port}: {reason}; pass another {flag}"
                 )
-        bound_host, bound_port = listen_address(server, ReverseMode)
+        (reverse,) = [i for i in server.servers if isinstance(i.mode, ReverseMode)]
+        front = FrontDoor(own, reverse.mode, _target(options), reverse.handle_stream)
+        try:
+            bound_host, bound_port = await front.start(options.host, options.port)
+        except OSError as exc:
+            raise OSError(
+                f"the server cannot listen on {options.host}:{options.port}: "
+                f"{exc.strerror or exc}; pass another --port"
+            ) from None
+        for addon in own:
+            attach = getattr(addon, "attach_front_door", None)
+            if attach is not None:
+                attach(front, bound_port)
         if ready is not None:
             ready(_url(bound_host, bound_port))
         # Only now has the caller published what a client needs (the control token file).
-        for addon in addons or master.addons.chain:
+        for addon in own:
             started = getattr(addon, "started", None)
             if started is not None:
                 started()
         await (stop_event or asyncio.Event()).wait()
     finally:
+        if front is not None:
+            front.stop_listening()
         await server.servers.update([])
         # Trajectories close to calls, then keep-alive connections close, and only
         # then (mitmproxy's `done` hook) are records written: nothing answered is missed.
-        for addon in addons or master.addons.chain:
+        for addon in own:
             close = getattr(addon, "close_to_calls", None)
             if close is not None:
                 close()
+        if front is not None:
+            await front.close(grace=5.0)
         await _close_connections(server)
         master.shutdown()
         await run
         await _close_connections(server)
 
 
-def _modes(options: ServerOptions) -> list[str]:
-    """The reverse listener (control and `/t/{id}` routes), plus the proxy listener if asked."""
-    target = NO_TARGET
+def _target(options: ServerOptions) -> tuple[str, str, int]:
+    """(scheme, host, port) a base-URL request names before the addon re-targets it."""
     if options.upstream_url:
-        scheme, host, port = options.upstream_origin
-        target = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-    modes = [f"reverse:{target}"]
+        return options.upstream_origin
+    return "http", "127.0.0.1", 9
+
+
+def _modes(options: ServerOptions) -> list[str]:
+    """mitmproxy's reverse mode (the connections the front door hands it), plus the proxy
+    listener if asked."""
+    scheme, host, port = _target(options)
+    target = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+    modes = [f"reverse:{target}@{HANDOVER_HOST}:0"]
     if options.proxy_port is not None:
-        port = options.proxy_port
-        if port == 0 and options.port == 0:
-            port = _free_port(options.host)
-        modes.append(f"regular@{options.host}:{port}")
+        proxy_port = options.proxy_port
+        if proxy_port == 0:
+            proxy_port = _free_port(options.host)
+        modes.append(f"regular@{options.host}:{proxy_port}")
     return modes
 
 

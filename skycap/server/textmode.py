@@ -28,6 +28,7 @@ from skycap.calls import call_record, harness_mark, reply_id_mark
 from skycap.dialects import Dialect, Request
 from skycap.dialects.sse import StreamError
 from skycap.episodes import FailureEpisode
+from skycap.server import messages
 from skycap.server.conns import Connections, client_connected
 from skycap.server.flowstate import state_of
 from skycap.server.live import Live
@@ -426,7 +427,7 @@ class TextCall:
         self._fail(None, f"upstream: {detail}")
         self._end()
         body = self.dialect.error(502, f"upstream unavailable: {detail}")
-        self._answer(http.Response.make(502, body, {"content-type": "application/json"}))
+        self._answer(messages.response(502, body, messages.JSON))
 
     # -- non-streamed replies (http.md §3.1) ---------------------------------------------------
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import certifi
 from mitmproxy import http
 from mitmproxy.net.http import http1
 
+from skycap.server.messages import response_head
+
 _LIMIT = 1 << 20  # the longest response head or chunk-size line
 _READ = 1 << 16
+#: Up to this size a request body is sent in one write with its head.
+_JOINED = 1 << 16
 _IDLE_PER_ORIGIN = 128
 #: Pauses before connecting again after a refused or reset connect (nothing was sent);
 #: after the last, the call fails with skycap's 502.
@@ -88,17 +92,8 @@ class Exchange:
         reader, pool = self.conn.reader, self.pool
         try:
             if self.size is None:
-                while True:
-                    line = await pool.read(reader.readline())
-                    if not line.endswith(b"\n"):
-                        raise UpstreamError("the connection closed in the middle of the body")
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                    if size == 0:
-                        while (await pool.read(reader.readline())) not in (b"\r\n", b"\n", b""):
-                            pass
-                        break
-                    yield await pool.read(reader.readexactly(size))
-                    await pool.read(reader.readexactly(2))
+                async for piece in read_chunked(reader, pool.read):
+                    yield piece
             elif self.size < 0:
                 while data := await pool.read(reader.read(_READ)):
                     yield data
@@ -144,11 +139,15 @@ class UpstreamPool:
         except TimeoutError:
             raise UpstreamTimeout(f"timed out after {self.timeout:g} s") from None
 
-    async def send(self, request: http.Request) -> Exchange:
+    async def send(
+        self, request: http.Request, streamed: AsyncIterator[bytes] | None = None
+    ) -> Exchange:
         """Write `request`, read the response head; raise UpstreamError on failure.
 
-        A reused idle connection that turns out to be closed is retried once on a new one
-        (the upstream closed it while idle; it read nothing of this request).
+        `streamed` is the body when the request holds none (read from the harness as it
+        is sent on, already framed as its headers say). A reused idle connection that
+        turns out to be closed is retried once on a new one (the upstream closed it while
+        idle; it read nothing of this request).
         """
         origin = (request.scheme, request.host, request.port)
         method = request.data.method
@@ -156,8 +155,16 @@ class UpstreamPool:
         while True:
             conn = await self._connect(origin)
             try:
-                conn.writer.write(head)
-                conn.writer.write(body)  # not joined to the head: no copy of a large body
+                if len(body) <= _JOINED:  # one write, one system call
+                    conn.writer.write(head + body)
+                else:  # not joined to the head: no copy of a large body
+                    conn.writer.write(head)
+                    conn.writer.write(body)
+                if streamed is not None:
+                    conn.reused = False  # a body half sent cannot be sent again
+                    async for piece in streamed:
+                        conn.writer.write(piece)
+                        await conn.writer.drain()
                 answer = await self.read(conn.reader.readuntil(b"\r\n\r\n"))
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                 conn.writer.close()
@@ -168,12 +175,9 @@ class UpstreamPool:
                 conn.writer.close()
                 raise
             break
-        # mitmproxy's head parser leaves reference cycles through its callers' frames (its
-        # type checks raise and catch): hold no body here while it runs, so a large request
-        # is freed by reference counting, not only by the collector.
-        del request, body
+        del request, body  # sent: a large body is freed now, not when the exchange ends
         try:
-            response = http1.read_response_head(answer.split(b"\r\n")[:-2])
+            response = response_head(answer)
             size = http1.expected_http_body_size(_Method(method), response)
         except ValueError as exc:
             conn.writer.close()
@@ -233,6 +237,60 @@ class UpstreamPool:
         if self._tls is None:
             self._tls = ssl.create_default_context(cafile=certifi.where())
         return self._tls
+
+
+async def read_chunked(
+    reader: asyncio.StreamReader, read: Callable[[Awaitable[bytes]], Awaitable[bytes]]
+) -> AsyncIterator[bytes]:
+    """A chunked body, de-chunked: each piece is the data of every chunk one read brought,
+    joined (an event stream's many small chunks cost one step each, not three awaits).
+    Reads go through `read` (a timeout, or none); bytes past the body's end are put back.
+    Raises UpstreamError when the connection closes mid-body, ValueError on a bad size."""
+    buffer = b""
+    while True:
+        pieces, pos, done = _chunks(buffer)
+        if pieces:
+            yield b"".join(pieces)
+        if done:
+            unread(reader, buffer[pos:])
+            return
+        more = await read(reader.read(_READ))
+        if not more:
+            raise UpstreamError("the connection closed in the middle of the body")
+        buffer = buffer[pos:] + more
+
+
+def _chunks(buffer: bytes) -> tuple[list[bytes], int, bool]:
+    """The complete chunks at the front of `buffer`: their data, where the rest starts,
+    and whether the last chunk (and its trailers) ended the body."""
+    pieces = []
+    pos = 0
+    while True:
+        end = buffer.find(b"\n", pos)
+        if end < 0:
+            return pieces, pos, False
+        size = int(buffer[pos:end].split(b";", 1)[0].strip(), 16)
+        if size == 0:
+            if buffer.startswith((b"\r\n", b"\n"), end + 1):  # no trailers
+                return pieces, buffer.index(b"\n", end + 1) + 1, True
+            stop = buffer.find(b"\n\r\n", end)
+            if stop < 0:
+                return pieces, pos, False
+            return pieces, stop + 3, True
+        start = end + 1
+        stop = start + size
+        if len(buffer) < stop + 2:
+            return pieces, pos, False
+        pieces.append(buffer[start:stop])
+        pos = stop + 2  # the data's own CRLF
+
+
+def unread(reader: asyncio.StreamReader, data: bytes) -> None:
+    """Put `data` back at the front of what `reader` has not returned yet. asyncio's
+    StreamReader has no unread; its buffer is a bytearray it reads from the front."""
+    if data:
+        buffer: bytearray = reader._buffer  # type: ignore[attr-defined]
+        buffer[:0] = data
 
 
 def _head(request: http.Request) -> bytes:
