@@ -236,6 +236,8 @@ class FrontDoor:
         flow_ = http.HTTPFlow(conn.client, conn.server, live=True)
         flow_.request = request
         await self._hook("requestheaders", flow_)
+        if flow_.response is not None and (size is None or size > 0):
+            close = True  # answered before its body was read: the connection cannot go on
         if flow_.response is None and not flow_.error:
             if not request.stream:  # a body `requestheaders` streams is read as it is sent on
                 try:
