@@ -187,3 +187,23 @@ def test_a_chunked_body_that_breaks_off_says_so() -> None:
         asyncio.run(_dechunk(b"5\r\nhel", 2))
     with pytest.raises(ValueError):
         asyncio.run(_dechunk(b"zz\r\nhello\r\n0\r\n\r\n", 100))
+
+
+def test_a_chunked_body_past_the_limit_is_refused_in_the_callers_shape(make_server) -> None:
+    """A chunked body announces no length: it is read to its end but not kept, and the
+    caller gets the 413 naming its whole size; the connection goes on."""
+    server = make_server(max_body_size=1000)
+    with Control(server.url) as control:
+        created = control.create()
+        path, _ = _chat(created)
+        body = b'{"model": "m", "messages": [], "pad": "' + b"x" * 5000 + b'"}'
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + 700]), body[i : i + 700])
+                           for i in range(0, len(body), 700)) + b"0\r\n\r\n"  # fmt: skip
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        health = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        (refused, error), (status, _) = converse(server.url, head.encode() + chunked + health, 2)
+        assert refused.startswith("HTTP/1.1 413"), refused
+        message = json.loads(error)["error"]["message"]
+        assert f"request body of {len(body)} bytes is over the limit of 1000" in message
+        assert status.startswith("HTTP/1.1 200")
+        assert control.document(created["id"]).json()["nodes"] == []

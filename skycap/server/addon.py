@@ -284,7 +284,15 @@ class SkycapAddon:
         """`runner.serve` answers the base-URL port with `front` (`frontdoor.py`)."""
         self.conns.attach_front_door(front)
         front.answer_locally(self.loopback.take)
+        assert self.options is not None
+        front.limit_bodies(self.options.max_body_size, self._oversize)
         self.port = port
+
+    def _oversize(self, flow: http.HTTPFlow, size: int) -> None:
+        """A chunked body the front door read past `--max-body-size`: 413, none of it kept."""
+        assert self.options is not None
+        limit = self.options.max_body_size
+        _refuse(flow, state_of(flow).kind or MISS, 413, too_large_message(size, limit))
 
     def started(self) -> None:
         """The server is up: started, with its control token published where it goes."""

@@ -128,6 +128,8 @@ class FrontDoor:
         self._hand_over = hand_over
         self._hooks = {name: _bound(addons, name) for name in _HOOKS}
         self._take: Callable[[http.HTTPFlow], ResponseAnswer | None] | None = None
+        self._limit: int | None = None
+        self._oversize: Callable[[http.HTTPFlow, int], None] | None = None
         self._server: asyncio.Server | None = None
         self._open: dict[str, _Open] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -157,6 +159,12 @@ class FrontDoor:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), grace)
+
+    def limit_bodies(self, limit: int, oversize: Callable[[http.HTTPFlow, int], None]) -> None:
+        """A chunked body past `limit` bytes is read to its end but not kept, and
+        `oversize(flow, size)` answers the flow instead of the `request` hook. (A body
+        that announces its length is the addon's to refuse, in `requestheaders`.)"""
+        self._limit, self._oversize = limit, oversize
 
     def answer_locally(self, take: Callable[[http.HTTPFlow], ResponseAnswer | None]) -> None:
         """`take(flow)`: the loopback's answer for a flow re-targeted at it, written here."""
@@ -239,13 +247,18 @@ class FrontDoor:
         if flow_.response is not None and (size is None or size > 0):
             close = True  # answered before its body was read: the connection cannot go on
         if flow_.response is None and not flow_.error:
+            oversize = 0
             if not request.stream:  # a body `requestheaders` streams is read as it is sent on
                 try:
-                    request.data.content = await self._body(conn, size)
+                    content, oversize = await self._body(conn, size)
                 except (ValueError, UpstreamError, asyncio.IncompleteReadError, ConnectionError):
                     return False  # the harness sent a broken body or left while sending it
+                request.data.content = content
                 request.timestamp_end = time.time()
-            await self._hook("request", flow_)
+            if oversize and self._oversize is not None:
+                self._oversize(flow_, oversize)
+            else:
+                await self._hook("request", flow_)
         if not flow_.error and conn.gone:
             flow_.error = flow.Error(CLIENT_GONE)
         if flow_.error:  # killed by a hook, or the harness left while the hooks ran
@@ -259,12 +272,21 @@ class FrontDoor:
             keep = await self._forward(conn, flow_, size)
         return keep and not close
 
-    async def _body(self, conn: _Open, size: int | None) -> bytes:
-        if size is None:
-            return b"".join([piece async for piece in read_chunked(conn.reader, _identity)])
-        if size <= 0:
-            return b""
-        return await conn.reader.readexactly(size)
+    async def _body(self, conn: _Open, size: int | None) -> tuple[bytes, int]:
+        """The request body, and 0; or, for a chunked body past the limit, nothing kept
+        and its whole size."""
+        if size is not None:
+            return (await conn.reader.readexactly(size) if size > 0 else b""), 0
+        pieces, total, limit = [], 0, self._limit
+        async for piece in read_chunked(conn.reader, _identity):
+            total += len(piece)
+            if limit is None or total <= limit:
+                pieces.append(piece)
+            elif pieces:
+                pieces = []  # past the limit: read to the end, counted, not kept
+        if limit is not None and total > limit:
+            return b"", total
+        return b"".join(pieces), 0
 
     async def _answer(self, conn: _Open, flow_: http.HTTPFlow) -> bool:
         """A response the hooks built: written whole, as mitmproxy sends one."""
