@@ -19,6 +19,8 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.net.http import http1
 
+from skycap.server import messages
+
 
 def client_connected(conn: Any) -> bool:
     """Whether a harness's client connection is still open and writable (a reply's end
@@ -95,7 +97,5 @@ class Connections:
 
 def _answer(status: int, body: bytes) -> bytes:
     """A complete JSON response that closes the connection after it."""
-    response = http.Response.make(
-        status, body, {"content-type": "application/json", "connection": "close"}
-    )
-    return http1.assemble_response(response)
+    headers = ((b"content-type", b"application/json"), (b"connection", b"close"))
+    return http1.assemble_response(messages.response(status, body, headers))

@@ -34,7 +34,7 @@ from mitmproxy.proxy.mode_specs import ProxyMode
 from skycap.server import messages
 from skycap.server.loopback import Broken, ResponseAnswer
 from skycap.server.messages import request_head
-from skycap.server.upstream import UpstreamError, UpstreamPool, read_chunked, unread
+from skycap.server.upstream import UpstreamError, UpstreamPool, chunk, read_chunked, unread
 
 logger = logging.getLogger("skycap.server")
 
@@ -54,7 +54,7 @@ _HOOKS = (
     "client_disconnected",
 )
 #: Response headers that describe one transfer: rebuilt for the harness.
-_TRANSFER = frozenset({"content-length", "transfer-encoding"})
+_TRANSFER = frozenset({b"content-length", b"transfer-encoding"})
 
 HandOver = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -278,7 +278,7 @@ class FrontDoor:
         if size is not None:
             return (await conn.reader.readexactly(size) if size > 0 else b""), 0
         pieces, total, limit = [], 0, self._limit
-        async for piece in read_chunked(conn.reader, _identity):
+        async for piece in read_chunked(conn.reader):
             total += len(piece)
             if limit is None or total <= limit:
                 pieces.append(piece)
@@ -363,8 +363,8 @@ class FrontDoor:
     async def _request_body(self, conn: _Open, size: int | None) -> AsyncIterator[bytes]:
         """A body `requestheaders` asked to stream (`request.stream`), passed on as it comes."""
         if size is None:
-            async for piece in read_chunked(conn.reader, _identity):
-                yield b"%x\r\n%s\r\n" % (len(piece), piece)
+            async for piece in read_chunked(conn.reader):
+                yield chunk(piece)
             yield b"0\r\n\r\n"
             return
         left = size
@@ -383,7 +383,7 @@ class FrontDoor:
             flow_.error = flow.Error(CLIENT_GONE)
             await self._hook("error", flow_)
             return False
-        fields = [(k, v) for k, v in response.headers.fields if k.lower() not in _TRANSFER_B]
+        fields = [(k, v) for k, v in response.headers.fields if k.lower() not in _TRANSFER]
         fields.append((b"content-length", b"%d" % len(response.raw_content or b"")))
         response.headers.fields = tuple(fields)
         conn.writer.write(http1.assemble_response(response))
@@ -404,7 +404,7 @@ class FrontDoor:
         tap = response.stream if callable(response.stream) else None
         # Chunked unless the length is known and no tap can change the bytes.
         chunked = tap is not None or size is None or size < 0
-        fields = [(k, v) for k, v in response.headers.fields if k.lower() not in _TRANSFER_B]
+        fields = [(k, v) for k, v in response.headers.fields if k.lower() not in _TRANSFER]
         if chunked:
             fields.append((b"transfer-encoding", b"chunked"))
         else:
@@ -415,13 +415,13 @@ class FrontDoor:
         try:
             async for piece in pieces:
                 for out in _tapped(tap, piece):
-                    writer.write(b"%x\r\n%s\r\n" % (len(out), out) if chunked else out)
+                    writer.write(chunk(out) if chunked else out)
                 await writer.drain()
                 if conn.gone:
                     raise ConnectionResetError(CLIENT_GONE)
             if chunked:
                 for out in _tapped(tap, b""):
-                    writer.write(b"%x\r\n%s\r\n" % (len(out), out))
+                    writer.write(chunk(out))
                 writer.write(b"0\r\n\r\n")
             await writer.drain()
         except ConnectionError:
@@ -453,7 +453,6 @@ class FrontDoor:
                 logger.debug("traceback", exc_info=True)
 
 
-_TRANSFER_B = frozenset(name.encode() for name in _TRANSFER)
 #: Request headers this loop does not serve: a WebSocket upgrade, `Expect: 100-continue`.
 _HANDED_OVER = frozenset({b"upgrade", b"expect"})
 
@@ -493,10 +492,6 @@ def _request(head: bytes) -> tuple[http.Request, int | None, bool] | None:
     return request, size, close
 
 
-async def _identity(awaitable: Awaitable[bytes]) -> bytes:
-    return await awaitable
-
-
 def _tapped(tap: Callable[[bytes], Any] | None, piece: bytes) -> list[bytes]:
     if tap is None:
         return [piece] if piece else []
@@ -511,17 +506,11 @@ def _keep_alive(flow_: http.HTTPFlow) -> bool:
     caller's): HTTP/1.1 unless it says `connection: close`."""
     response = flow_.response
     assert response is not None
-    if response.data.http_version != b"HTTP/1.1":
-        return False
-    return not any(
-        k.lower() == b"connection" and b"close" in v.lower()
-        for k, v in response.data.headers.fields
-    )
+    data = response.data
+    return data.http_version == b"HTTP/1.1" and not messages.asks_close(data.headers.fields)
 
 
 def _bad_gateway(message: str) -> bytes:
     body = f"skycap: the upstream cannot be reached: {message}\n".encode()
-    return (
-        b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain\r\nconnection: close\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    headers = ((b"content-type", b"text/plain"), (b"connection", b"close"))
+    return http1.assemble_response(messages.response(502, body, headers))

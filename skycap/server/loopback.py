@@ -22,6 +22,7 @@ from typing import Protocol
 
 from mitmproxy import http
 
+from skycap.server.upstream import chunk
 from skycap.tokens.streaming import ReplyStream
 
 _PREFIX = b"/loopback/"
@@ -91,7 +92,7 @@ class ResponseAnswer:
         await writer.drain()
         try:
             async for data in opened.pieces:  # each piece one chunk, drained before the next
-                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                writer.write(chunk(data))
                 await writer.drain()
         except Broken:
             return False  # no terminator: the reader sees the body break off

@@ -73,6 +73,11 @@ def response_head(head: bytes) -> http.Response:
     return _response(version, int(status), reason, fields, None)
 
 
+def asks_close(fields: Fields) -> bool:
+    """Whether headers say `connection: close`."""
+    return any(k.lower() == b"connection" and b"close" in v.lower() for k, v in fields)
+
+
 def response_of(status: int, fields: Fields) -> http.Response:
     """A response head whose body is still to come."""
     reason = status_codes.RESPONSES.get(status, "").encode()

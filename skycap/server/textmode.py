@@ -118,9 +118,7 @@ class TextMode:
             dropped, added = _DROPPED, self._added
         else:
             dropped, added = _DROPPED_KEEP_HOST, self._auth(flow.request.host)
-        if any(
-            k.lower() == b"connection" and b"close" in v.lower() for k, v in data.headers.fields
-        ):
+        if messages.asks_close(data.headers.fields):
             state_of(flow).close_after = True  # the answer says so; the connection then closes
         kept = tuple(f for f in data.headers.fields if f[0].lower() not in dropped)
         body = data.content

@@ -239,13 +239,18 @@ class UpstreamPool:
         return self._tls
 
 
+async def _direct(awaitable: Awaitable[bytes]) -> bytes:
+    return await awaitable
+
+
 async def read_chunked(
-    reader: asyncio.StreamReader, read: Callable[[Awaitable[bytes]], Awaitable[bytes]]
+    reader: asyncio.StreamReader,
+    read: Callable[[Awaitable[bytes]], Awaitable[bytes]] = _direct,
 ) -> AsyncIterator[bytes]:
     """A chunked body, de-chunked: each piece is the data of every chunk one read brought,
     joined (an event stream's many small chunks cost one step each, not three awaits).
-    Reads go through `read` (a timeout, or none); bytes past the body's end are put back.
-    Raises UpstreamError when the connection closes mid-body, ValueError on a bad size."""
+    Reads go through `read` (a timeout; none by default); bytes past the body's end are put
+    back. Raises UpstreamError when the connection closes mid-body, ValueError on a bad size."""
     buffer = b""
     while True:
         pieces, pos, done = _chunks(buffer)
@@ -283,6 +288,11 @@ def _chunks(buffer: bytes) -> tuple[list[bytes], int, bool]:
             return pieces, pos, False
         pieces.append(buffer[start:stop])
         pos = stop + 2  # the data's own CRLF
+
+
+def chunk(data: bytes) -> bytes:
+    """`data` framed as one chunk of a chunked body (what `read_chunked` undoes)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def unread(reader: asyncio.StreamReader, data: bytes) -> None:
