@@ -207,3 +207,12 @@ def test_a_chunked_body_past_the_limit_is_refused_in_the_callers_shape(make_serv
         assert f"request body of {len(body)} bytes is over the limit of 1000" in message
         assert status.startswith("HTTP/1.1 200")
         assert control.document(created["id"]).json()["nodes"] == []
+
+
+def test_a_chunk_size_line_without_end_is_refused_not_buffered() -> None:
+    """A size line (or trailers) that never ends is malformed past the longest head skycap
+    reads, as with a line reader's limit, instead of growing the buffer without bound."""
+    with pytest.raises(ValueError, match="chunk-size line longer than"):
+        asyncio.run(_dechunk(b"5" * (2 << 20), 1 << 16))
+    with pytest.raises(ValueError, match="trailers longer than"):
+        asyncio.run(_dechunk(b"0\r\nx-t: " + b"a" * (2 << 20), 1 << 16))

@@ -273,6 +273,8 @@ def _chunks(buffer: bytes) -> tuple[list[bytes], int, bool]:
     while True:
         end = buffer.find(b"\n", pos)
         if end < 0:
+            if len(buffer) - pos > _LIMIT:
+                raise ValueError(f"a chunk-size line longer than {_LIMIT} bytes")
             return pieces, pos, False
         size = int(buffer[pos:end].split(b";", 1)[0].strip(), 16)
         if size == 0:
@@ -280,6 +282,8 @@ def _chunks(buffer: bytes) -> tuple[list[bytes], int, bool]:
                 return pieces, buffer.index(b"\n", end + 1) + 1, True
             stop = buffer.find(b"\n\r\n", end)
             if stop < 0:
+                if len(buffer) - end > _LIMIT:
+                    raise ValueError(f"trailers longer than {_LIMIT} bytes")
                 return pieces, pos, False
             return pieces, stop + 3, True
         start = end + 1
