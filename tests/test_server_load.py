@@ -204,6 +204,14 @@ def test_serve_reports_a_port_in_use(upstream: ScriptedUpstream) -> None:
     )
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
     assert "Traceback" not in taken.stderr
+    proxy = subprocess.run(
+        skycap("serve", "--upstream-url", upstream.base_url, "--port", "0", "--proxy-port", port),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proxy.returncode == 1 and f"listener cannot listen on 127.0.0.1:{port}" in proxy.stderr
+    assert "pass another --proxy-port" in proxy.stderr and "Traceback" not in proxy.stderr
 
 
 def test_the_mitmdump_script(upstream: ScriptedUpstream, tmp_path: Path) -> None:

@@ -160,15 +160,15 @@ async def _serve(
     try:
         for instance in server.servers:
             if instance.last_exception is not None:
-                is_proxy = not isinstance(instance.mode, ReverseMode)
-                port = options.proxy_port if is_proxy else 0
-                host = options.host if is_proxy else HANDOVER_HOST
-                what = "the proxy listener" if is_proxy else "mitmproxy's reverse listener"
-                flag = "--proxy-port" if is_proxy else "--port"
                 # mitmproxy appends advice about its own --mode flag: keep the first line.
                 reason = str(instance.last_exception).splitlines()[0]
+                if isinstance(instance.mode, ReverseMode):  # its port is the OS's choice
+                    raise OSError(
+                        f"mitmproxy's reverse listener cannot listen on {HANDOVER_HOST}: {reason}"
+                    )
                 raise OSError(
-                    f"{what} cannot listen on {host}:{port}: {reason}; pass another {flag}"
+                    f"the proxy listener cannot listen on {options.host}:{options.proxy_port}: "
+                    f"{reason}; pass another --proxy-port"
                 )
         (reverse,) = [i for i in server.servers if isinstance(i.mode, ReverseMode)]
         front = FrontDoor(own, reverse.mode, _target(options), reverse.handle_stream)
