@@ -18,9 +18,9 @@ from skycap.mock.engine_wire import scripted_experts, scripted_logprob
 from skycap.tokens.backend import TokenBackend
 from skycap.tokens.client import ENGINE_EXCERPT_LIMIT, engine_status_message
 from skycap.tokens.engine import VLLMEngine
-from skycap.tokens.interned import _SHARED_INTS, SHARED_INT_LIMIT
-from skycap.tokens.interned import interned as _interned
 from skycap.tokens.library_renderer import LibraryRenderer
+from skycap.tokens.renderer import _SHARED_INTS, SHARED_INT_LIMIT
+from skycap.tokens.renderer import interned as _interned
 from skycap.trajectory import FAILED, FINISHED, Trajectory
 
 TOOLS = [

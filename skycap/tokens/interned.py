@@ -12,9 +12,7 @@ import numpy as np
 from skycap.graph import Graph
 from skycap.tokens.engine import EngineOutput
 from skycap.tokens.plan import Plan, TurnLists
-from skycap.tokens.renderer import _SHARED_INTS, SHARED_INT_LIMIT, interned, shared_ids
-
-__all__ = ["SHARED_INT_LIMIT", "_SHARED_INTS", "interned", "turn_lists"]
+from skycap.tokens.renderer import interned, shared_ids
 
 
 def turn_lists(
