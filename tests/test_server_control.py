@@ -10,6 +10,7 @@ import httpx
 import pytest
 from server_fixtures import Control, make_server, upstream
 
+from skycap.logqueue import flush_log_queue
 from skycap.mock.upstream import ScriptedUpstream
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -216,6 +217,7 @@ def test_one_access_line_per_harness_call_at_info(control: Control, caplog) -> N
     caplog.set_level(logging.INFO, logger="skycap.access")
     chat(trajectory)
     control.http.get("/healthz")
+    assert flush_log_queue()  # the server's log lines reach caplog from the writer thread
     lines = [r.getMessage() for r in caplog.records if r.name == "skycap.access"]
     assert len(lines) == 1
     assert re.fullmatch(rf"POST /t/{trajectory['id']}/v1/chat/completions 200 [\d.]+ ms", lines[0])

@@ -16,6 +16,7 @@ from server_fixtures import Control, make_server, upstream, wait_for
 from test_durability import ServeProcess
 
 from skycap import RecordsLost
+from skycap.logqueue import flush_log_queue
 from skycap.record import writer
 
 
@@ -97,6 +98,7 @@ def test_a_full_disk_is_an_error_retried_until_written(
         assert health.status_code == 503
         assert health.json()["ok"] is False
         assert health.json()["unwritten_records"] == [created["id"]]
+        assert flush_log_queue()  # the server's log lines reach caplog from the writer thread
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         path = str(disk.dir / f"{created['id']}.json.zst")
         assert any(created["id"] in m and path in m for m in errors), errors
