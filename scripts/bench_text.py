@@ -429,6 +429,9 @@ def main() -> None:
         help="comma-separated: asyncio (the mock servers), threaded (Chat Completions only)",
     )
     parser.add_argument(
+        "--stream", default="no,yes", help="comma-separated: no (whole replies), yes (streams)"
+    )
+    parser.add_argument(
         "--loop",
         default="server",
         choices=("server", "asyncio"),
@@ -448,6 +451,10 @@ def main() -> None:
             role_proxy(args.role[0], args.role[1], args.role[2])
         return
     levels = [int(c) for c in args.concurrency.split(",")]
+    choices = {"no": False, "yes": True}
+    if not set(args.stream.split(",")) <= choices.keys():
+        parser.error(f"--stream takes no and/or yes, got {args.stream!r}")
+    streams = [choices[s] for s in args.stream.split(",")]
     os.environ[CONTROL_TOKEN_ENV] = new_control_token()  # the children inherit it
     cells = []
     for kind in args.upstream.split(","):
@@ -467,7 +474,7 @@ def main() -> None:
                 "skycap": (skycap.url, skycap),
             }
             try:
-                for stream in (False, True):
+                for stream in streams:
                     for concurrency in levels:
                         cells += measure(
                             api, kind, targets, stream, concurrency, args.requests, args.rounds

@@ -105,6 +105,41 @@ def text_match(message: Mapping[str, Any], tools_key: str, model: str) -> str:
     return digest([message_hash(message), tools_key, model])
 
 
+class Remembered:
+    """`text_match` and `tools_hash`, remembered by canonical JSON for one trajectory.
+
+    Each call of a trajectory resends its whole conversation and tool list, so without
+    this a call would hash every earlier message and the tools again: with it, only what
+    is new. The canonical JSON is what each digest is taken of, so a remembered value is
+    the one the recipe gives, by construction.
+    """
+
+    __slots__ = ("_matches", "_tools")
+
+    def __init__(self) -> None:
+        self._matches: dict[tuple[str, str], dict[bytes, str]] = {}
+        self._tools: dict[bytes, str] = {}
+
+    def text_match(self, message: Mapping[str, Any], tools_key: str, model: str) -> str:
+        known = self._matches.get((tools_key, model))
+        if known is None:
+            known = self._matches[(tools_key, model)] = {}
+        canonical = canonical_json(canonical_message(message))
+        match = known.get(canonical)
+        if match is None:
+            match = known[canonical] = digest([_blake(canonical), tools_key, model])
+        return match
+
+    def tools_hash(self, tools: Any) -> str:
+        if not isinstance(tools, list) or not tools:
+            return ""
+        canonical = canonical_json(tools)
+        key = self._tools.get(canonical)
+        if key is None:
+            key = self._tools[canonical] = _blake(canonical)
+        return key
+
+
 def token_match(message: Mapping[str, Any], tools_key: str, model: str) -> str:
     return digest([digest(rendered_fields(message)), tools_key, model])
 

@@ -78,9 +78,11 @@ class Trajectory:
     def is_open(self) -> bool:
         return self.status == OPEN
 
-    def register_tools(self, tools: Any) -> str | None:
-        """Store a non-empty tool list once under its hash; return the call's `tools` key."""
-        key = tools_hash(tools)
+    def register_tools(self, tools: Any, key: str | None = None) -> str | None:
+        """Store a non-empty tool list once under its hash; return the call's `tools` key.
+        `key` is the list's `tools_hash` when the caller has it already."""
+        if key is None:
+            key = tools_hash(tools)
         if not key:
             return None
         self.tools.setdefault(key, tools)

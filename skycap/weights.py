@@ -109,14 +109,15 @@ def reported_spans(obj: dict[str, Any]) -> list[Span] | None:
     value = obj.get("weight_versions")
     if value is None:
         choices = obj.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        if type(choices) is list and choices and type(choices[0]) is dict:
             value = choices[0].get("weight_versions")
-    for key in _HOLDERS:
-        if value is not None:
-            break
-        holder = obj.get(key)
-        if isinstance(holder, dict):
-            value = holder.get("weight_versions")
+    if value is None:
+        for key in _HOLDERS:
+            holder = obj.get(key)
+            if type(holder) is dict and (value := holder.get("weight_versions")) is not None:
+                break
+        else:
+            return None  # most events: nothing to read
     try:
         return read_spans(value, None)
     except SpansError:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from skycap.dialects.opaque import OPAQUE_ROLE
 from skycap.dialects.responses_read import read_items
 from skycap.dialects.sse import EventStream, StreamError
@@ -58,9 +60,25 @@ class ResponsesAssembler(EventStream):
     `finish_seen` and `done` turn on together, at the first terminal or failure event (a
     Responses stream has no `[DONE]`: its terminal event is its last), so the relay holds
     back the chunk carrying it, commits, then releases it. `reply_id` is the response's id.
+
+    Only the events below are read; the rest (deltas, parts) are passed by unparsed
+    (`EventStream`): the terminal event carries the whole output, and the output items'
+    `done` events stand in for it.
     """
 
-    __slots__ = ("_items", "_terminal", "_failure", "reply_id", "response", "sequence")
+    READS = frozenset(
+        name.encode()
+        for name in (
+            "response.created",
+            "response.queued",
+            "response.in_progress",
+            "response.output_item.done",
+            *TERMINAL,
+            *FAILED,
+        )
+    )
+
+    __slots__ = ("_items", "_terminal", "_failure", "_sequence", "reply_id", "response")
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,11 +87,25 @@ class ResponsesAssembler(EventStream):
         self._failure: Any = None
         self.reply_id: str | None = None
         self.response: dict[str, Any] | None = None  # the last response object announced
-        self.sequence = -1  # the last sequence_number seen
+        self._sequence = -1  # the last sequence_number of an event read
 
     @property
     def finish_seen(self) -> bool:
         return self._done
+
+    @property
+    def sequence(self) -> int:
+        """The last sequence_number seen, an event passed by unread included (-1: none)."""
+        sequence = self._sequence
+        if self.passed is not None:
+            try:
+                passed = orjson.loads(self.passed)
+            except orjson.JSONDecodeError:
+                return sequence
+            number = passed.get("sequence_number") if isinstance(passed, dict) else None
+            if type(number) is int:
+                sequence = max(sequence, number)
+        return sequence
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -84,7 +116,7 @@ class ResponsesAssembler(EventStream):
         kind = event.get("type")
         response = event.get("response")
         if type(sequence := event.get("sequence_number")) is int:
-            self.sequence = max(self.sequence, sequence)
+            self._sequence = max(self._sequence, sequence)
         if isinstance(response, dict) and isinstance(response.get("id"), str):
             self.reply_id = response["id"]
             self.response = response

@@ -25,7 +25,15 @@ class EventStream:
     `_event(name, event)`; `data: [DONE]` sets `done`. An event the server never
     terminated with a blank line is dropped, as the SSE rules (and the SDKs) do.
     `weight_versions` keeps the last spans an event carried (skycap.weights).
+
+    A subclass that reads only some events by their `event:` name lists them in `READS`
+    (None: every event is read). An event named otherwise (a Responses stream's per-token
+    deltas, which its terminal event repeats) is passed by unparsed, which on a long
+    stream is most of the work; only the last one's payload is kept (`passed`). An event
+    without a name is read.
     """
+
+    READS: frozenset[bytes] | None = None
 
     __slots__ = (
         "_pending",
@@ -35,6 +43,7 @@ class EventStream:
         "_done",
         "_error",
         "_events",
+        "passed",
         "weight_versions",
     )
 
@@ -46,6 +55,7 @@ class EventStream:
         self._done = False
         self._error: str | None = None
         self._events = 0
+        self.passed: bytes | None = None
         self.weight_versions: list[Span] | None = None
 
     @property
@@ -67,7 +77,10 @@ class EventStream:
             # It may be the first half of a CRLF split across chunks: decide on the next feed.
             chunk = chunk[:-1]
             self._held_cr = True
-        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if chunk[-1:] == b"\n":  # whole events: no need to look for the last newline
+            cut = len(chunk) - 1
+        else:
+            cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
         if cut < 0:
             if chunk:
                 self._pending.append(chunk)
@@ -79,22 +92,22 @@ class EventStream:
             self._pending = []
         if cut + 1 < len(chunk):
             self._pending.append(chunk[cut + 1 :])
+        # The field rules inline (one method call per event, not per line): an event
+        # stream's per-chunk cost is most of what a streamed call costs to capture.
+        data = self._data
         for line in lines.splitlines():
-            if line:
-                self._field(line)
-            elif self._data:
-                self._dispatch()
-            else:
-                self._name = None
-
-    def _field(self, line: bytes) -> None:
-        if line.startswith(b"data:"):
-            value = line[5:]
-            self._data.append(value[1:] if value.startswith(b" ") else value)
-        elif line == b"data":
-            self._data.append(b"")
-        elif line.startswith(b"event:"):
-            self._name = line[6:].strip()
+            if not line:
+                if data:
+                    self._dispatch()
+                    data = self._data
+                else:
+                    self._name = None
+            elif line.startswith(b"data:"):
+                data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+            elif line == b"data":
+                data.append(b"")
+            elif line.startswith(b"event:"):
+                self._name = line[6:].strip()
 
     def _dispatch(self) -> None:
         data, name = self._data, self._name
@@ -105,6 +118,10 @@ class EventStream:
         if payload.strip() == b"[DONE]":
             self._done = True
             return
+        if name is not None and self.READS is not None and name not in self.READS:
+            self._events += 1
+            self.passed = payload
+            return
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
@@ -113,7 +130,7 @@ class EventStream:
                 f"{payload[:_PAYLOAD_PREVIEW]!r}"
             )
             return
-        if not isinstance(event, dict):
+        if type(event) is not dict:
             self._error = (
                 f"unreadable stream: a data payload is not a JSON object: "
                 f"{payload[:_PAYLOAD_PREVIEW]!r}"

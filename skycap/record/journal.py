@@ -56,6 +56,8 @@ class JournalError(ValueError):
 class _Cursor:
     """What the journal already holds of one trajectory, so each line is only what is new."""
 
+    #: Its (lines, arrays) files, named once: a path built per call is a cost per call.
+    paths: tuple[Path, Path]
     nodes: int = 0
     calls: int = 0
     node_calls: dict[int, int] = field(default_factory=dict)
@@ -141,7 +143,7 @@ class Journal:
             "meta": trajectory.meta,
             "created_at": trajectory.created_at,
         }
-        cursor = self._cursors[trajectory.id] = _Cursor(broken=True)
+        cursor = self._cursors[trajectory.id] = _Cursor((lines, arrays), broken=True)
         self._write(lines, orjson.dumps(head) + b"\n", truncate=True)
         arrays.unlink(missing_ok=True)
         self._sync_directory()
@@ -176,7 +178,7 @@ class Journal:
             self.open(trajectory)
             cursor = self._cursors[trajectory.id]
             cursor.broken = True
-        lines, arrays = journal_paths(self.record_dir, trajectory.id)
+        lines, arrays = cursor.paths
         blobs = _Blobs()
         line = _delta(trajectory, cursor, calls, blobs)
         try:

@@ -39,6 +39,7 @@ from skycap.server.destinations import Destinations
 from skycap.server.flowstate import FlowState, state_of
 from skycap.server.frontdoor import FrontDoor
 from skycap.server.harness import Harness
+from skycap.server.keys import raw_header
 from skycap.server.loopback import Drained, Loopback
 from skycap.server.mode import CallMode, harness_error, respond
 from skycap.server.options import ServerOptions
@@ -417,7 +418,7 @@ class SkycapAddon:
         state.kind, state.trajectory_id = kind, trajectory_id
         if kind == PASS or kind == ANSWERED:
             return
-        length = flow.request.headers.get("content-length")
+        length = raw_header(flow.request.data.headers.fields, b"content-length")
         assert self.options is not None
         if length and length.isdigit() and int(length) > self.options.max_body_size:
             message = too_large_message(int(length), self.options.max_body_size)

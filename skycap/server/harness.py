@@ -17,7 +17,7 @@ from mitmproxy import http
 
 from skycap.dialects import Dialect, Request, UnknownReply
 from skycap.server.earlier import EarlierReplies
-from skycap.server.keys import authorized, bearer_key, key_matches, raw_header
+from skycap.server.keys import authorized, bearer_key, key_matches, raw_header, text_header
 from skycap.server.live import Live
 from skycap.server.mode import CallMode, RunningCall, harness_error, respond
 from skycap.server.options import ServerOptions
@@ -169,8 +169,9 @@ class Harness:
         self, flow: http.HTTPFlow, live: Live, raw: bytes, dialect: Dialect, request: Request
     ) -> Entry | None:
         """Step 5 (http.md §5): answer a retry from its original, or register this call."""
-        headers = flow.request.headers
-        key = call_key(raw, headers.get("x-stainless-retry-count"), headers.get("idempotency-key"))
+        fields = flow.request.data.headers.fields
+        retry_count = text_header(fields, b"x-stainless-retry-count")
+        key = call_key(raw, retry_count, text_header(fields, b"idempotency-key"))
         if key.dedup:
             if request.stream and live.retries.running(key):
                 if self.mode.join_running(flow, live, key, request, dialect):

@@ -30,6 +30,13 @@ def raw_header(fields: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | No
     return None
 
 
+def text_header(fields: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """`raw_header` as text, decoded as mitmproxy's `Headers.get` decodes it (UTF-8, a byte
+    that is not kept as a surrogate); without `Headers.get`'s walk over every field."""
+    value = raw_header(fields, name)
+    return None if value is None else value.decode("utf-8", "surrogateescape")
+
+
 def _split_scheme(header: bytes) -> tuple[bytes, bytes] | None:
     """(scheme lowercased, credentials stripped) of an auth header value, None without both."""
     value = header.strip(_WHITESPACE)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from skycap.hashing import Remembered
 from skycap.server.retry import RetryCache
 from skycap.trajectory import Trajectory
 
@@ -26,6 +27,7 @@ class Live:
         "unwritten",
         "counted_failures",
         "closed",
+        "hashes",
         "__weakref__",
     )
 
@@ -44,6 +46,8 @@ class Live:
         self.counted_failures = len(trajectory.failures)
         # Why it takes no more calls while its status stays as it is, else None.
         self.closed: str | None = None
+        # Its messages' and tools' hashes: a call hashes only what its last call did not send.
+        self.hashes = Remembered()
 
     @property
     def id(self) -> str:

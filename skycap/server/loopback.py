@@ -15,6 +15,7 @@ calls still go through the port. An answer is the same object either way (`open`
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
@@ -179,17 +180,31 @@ class Loopback:
 
 class UpstreamRelay(ResponseAnswer):
     """A text-mode reply relayed as skycap reads it: status, headers, then the chunks the
-    call's task queues, until `END` (the chunked terminator) or `BROKEN` (the upstream
-    broke: the connection closes without one, so the harness sees a failed stream)."""
+    call's task `put`s, until `END` (the chunked terminator) or `BROKEN` (the upstream
+    broke: the connection closes without one, so the harness sees a failed stream).
+
+    One writer waits on one producer, so a deque and the writer's one future do what an
+    `asyncio.Queue` would, for less per chunk (a stream's chunks are many).
+    """
 
     END = b""
     BROKEN = None
-    __slots__ = ("status", "headers", "chunks")
+    __slots__ = ("status", "headers", "_queued", "_waiter")
 
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.headers = [(k, v) for k, v in headers if k.lower() not in _TRANSFER]
-        self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._queued: collections.deque[bytes | None] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, piece: bytes | None) -> None:
+        """Queue a piece of the body, or `END` or `BROKEN`, and wake the writer."""
+        self._queued.append(piece)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def open(self, body_size: int, body: asyncio.StreamReader) -> Opened:
         return Opened(self.status, self.headers, self._pieces())
@@ -200,21 +215,23 @@ class UpstreamRelay(ResponseAnswer):
     async def _pieces(self) -> AsyncIterator[bytes]:
         """Whatever is queued goes out joined, as one piece: when the upstream is ahead of
         the harness, one write carries what arrived meanwhile."""
-        queue = self.chunks
+        queued = self._queued
         while True:
-            chunk = await queue.get()
+            if not queued:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
             pieces = []
-            while chunk is not self.BROKEN and chunk != self.END:
-                pieces.append(chunk)
-                if queue.empty():
-                    break
-                chunk = queue.get_nowait()
+            while queued:
+                piece = queued.popleft()
+                if piece is self.BROKEN or piece == self.END:
+                    if pieces:
+                        yield b"".join(pieces)
+                    if piece is self.BROKEN:
+                        raise Broken("the upstream broke off")
+                    return
+                pieces.append(piece)
             if pieces:
-                yield b"".join(pieces)
-            if chunk is self.BROKEN:
-                raise Broken("the upstream broke off")
-            if chunk == self.END:
-                return
+                yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 class GeneratedReply(ResponseAnswer):

@@ -49,7 +49,7 @@ def request_head(head: bytes) -> http.Request | None:
         authority=b"",
         path=path,
         http_version=version,
-        headers=http.Headers(fields),
+        headers=_headers(fields),
         content=None,
         trailers=None,
         timestamp_start=time.time(),
@@ -112,13 +112,21 @@ def _response(
         http_version=version,
         status_code=status,
         reason=reason,
-        headers=http.Headers(fields),
+        headers=_headers(fields),
         content=content,
         trailers=None,
         timestamp_start=time.time(),
         timestamp_end=None,
     )
     return answer
+
+
+def _headers(fields: Fields) -> http.Headers:
+    """`http.Headers(fields)` without its checks: every name and value here is bytes, from
+    skycap's own parse or code."""
+    headers = http.Headers.__new__(http.Headers)
+    headers.fields = tuple(fields)
+    return headers
 
 
 def _unchecked[Data: (http.RequestData, http.ResponseData)](

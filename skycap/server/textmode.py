@@ -31,6 +31,7 @@ from skycap.episodes import FailureEpisode
 from skycap.server import messages
 from skycap.server.conns import Connections, client_connected
 from skycap.server.flowstate import state_of
+from skycap.server.keys import raw_header
 from skycap.server.live import Live
 from skycap.server.loopback import Loopback, UpstreamRelay
 from skycap.server.options import ServerOptions
@@ -56,7 +57,7 @@ _DROPPED = frozenset(
     }
 )
 _DROPPED_KEEP_HOST = _DROPPED - {b"host"}
-_EVENT_STREAM = "text/event-stream"
+_EVENT_STREAM = b"text/event-stream"
 ANTHROPIC_HOST = "api.anthropic.com"
 #: Response headers that describe one transfer, not the reply: rebuilt for the harness.
 _TRANSFER = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
@@ -329,7 +330,7 @@ class TextCall:
         if not self.ready.done():
             self.ready.set_result(None)
         elif self.stream is not None:
-            self.stream.chunks.put_nowait(UpstreamRelay.BROKEN)
+            self.stream.put(UpstreamRelay.BROKEN)
         elif (flow := self._flow()) is not None:
             self.mode.conns.drop(flow)
 
@@ -366,7 +367,8 @@ class TextCall:
             marks={**harness_mark(saw_end), **reply_id_mark(self.dialect, reply_id)},
         )
         try:
-            node = commit_text_call(self.live.trajectory, self.request, reply, call)
+            live = self.live
+            node = commit_text_call(live.trajectory, self.request, reply, call, live.hashes)
         except Exception as exc:  # a reply that cannot be hashed is a failure, not a crash
             logger.warning("committing a reply of %s failed: %r", self.live.id, exc)
             self._fail(None, f"unreadable reply: {type(exc).__name__}: {exc}")
@@ -385,10 +387,11 @@ class TextCall:
             del request  # written: the flow may go
             self.mode.unreachable.succeeded()
             head = exchange.response
+            content_type = raw_header(head.headers.fields, b"content-type") or b""
             if (
                 self.request.stream
                 and head.status_code == 200
-                and head.headers.get("content-type", "").startswith(_EVENT_STREAM)
+                and content_type.startswith(_EVENT_STREAM)
             ):
                 await self._relay_upstream(exchange)
             else:
@@ -420,7 +423,7 @@ class TextCall:
             self._fail(None, error)
             self._end()
             self._send(failure)
-            self.stream.chunks.put_nowait(UpstreamRelay.END)
+            self.stream.put(UpstreamRelay.END)
             return
         self._fail(None, f"upstream: {detail}")
         self._end()
@@ -490,7 +493,7 @@ class TextCall:
 
     def _send(self, chunk: bytes) -> None:
         if not self.gone and self.stream is not None:
-            self.stream.chunks.put_nowait(chunk)
+            self.stream.put(chunk)
 
     def _complete_stream(self, assembler: Any, fields: list[tuple[bytes, bytes]]) -> None:
         """[DONE] or the end of the body: commit (or record why not), then release the tail.
@@ -529,7 +532,7 @@ class TextCall:
         if failure:
             self._send(failure)
         assert self.stream is not None
-        self.stream.chunks.put_nowait(UpstreamRelay.END)
+        self.stream.put(UpstreamRelay.END)
 
 
 def with_member(body: bytes, member: bytes) -> bytes:

@@ -25,6 +25,8 @@ _READ = 1 << 16
 #: Up to this size a request body is sent in one write with its head.
 _JOINED = 1 << 16
 _IDLE_PER_ORIGIN = 128
+#: The response headers that say how its body is framed.
+_FRAMING = frozenset({b"transfer-encoding", b"content-length"})
 #: Pauses before connecting again after a refused or reset connect (nothing was sent);
 #: after the last, the call fails with skycap's 502.
 CONNECT_RETRY_DELAYS = (0.05, 0.25)
@@ -113,9 +115,7 @@ class Exchange:
 
     def close(self) -> None:
         """Return the connection to the pool if the body was read whole and it stays open."""
-        if self._complete and not http1.connection_close(
-            self.response.data.http_version, self.response.headers
-        ):
+        if self._complete and not _closes(self.response):
             self.pool.release(self.origin, self.conn)
         else:
             self.conn.writer.close()
@@ -178,7 +178,7 @@ class UpstreamPool:
         del request, body  # sent: a large body is freed now, not when the exchange ends
         try:
             response = response_head(answer)
-            size = http1.expected_http_body_size(_Method(method), response)
+            size = _body_size(method, response)
         except ValueError as exc:
             conn.writer.close()
             raise UpstreamError(f"malformed response: {exc}") from None
@@ -305,6 +305,34 @@ def unread(reader: asyncio.StreamReader, data: bytes) -> None:
     if data:
         buffer: bytearray = reader._buffer  # type: ignore[attr-defined]
         buffer[:0] = data
+
+
+def _body_size(method: bytes, response: http.Response) -> int | None:
+    """A response body's size as mitmproxy's `expected_http_body_size` gives it (None:
+    chunked, -1: until the connection closes; ValueError when malformed). Read here in
+    one pass for the usual head, a single `transfer-encoding: chunked` or
+    `content-length`; any other head goes to mitmproxy's own rules."""
+    data = response.data
+    if method.upper() != b"HEAD" and data.status_code >= 200 and data.status_code not in (204, 304):
+        framing = [(k.lower(), v) for k, v in data.headers.fields if k.lower() in _FRAMING]
+        if len(framing) == 1:
+            name, value = framing[0]
+            if name == b"transfer-encoding" and value.lower() == b"chunked":
+                return None
+            if name == b"content-length" and value.isdigit():
+                return int(value)
+    return http1.expected_http_body_size(_Method(method), response)
+
+
+def _closes(response: http.Response) -> bool:
+    """Whether the connection closes after `response` (mitmproxy's `connection_close`),
+    read in one pass for an HTTP/1.1 head without a `connection` header."""
+    data = response.data
+    if data.http_version == b"HTTP/1.1" and all(
+        k.lower() != b"connection" for k, _ in data.headers.fields
+    ):
+        return False
+    return http1.connection_close(data.http_version, response.headers)
 
 
 def _head(request: http.Request) -> bytes:

@@ -35,6 +35,7 @@ from skycap.dialects.responses_socket import (
 )
 from skycap.server.flowstate import state_of
 from skycap.server.harness import Harness
+from skycap.server.keys import raw_header
 from skycap.server.loopback import Loopback
 from skycap.server.upstream import UpstreamError, UpstreamPool
 from skycap.wire import BodyError
@@ -60,7 +61,8 @@ _READ = 1 << 16
 
 def is_upgrade(flow: http.HTTPFlow) -> bool:
     """Whether the request asks for a WebSocket."""
-    return flow.request.headers.get("upgrade", "").lower() == "websocket"
+    value = raw_header(flow.request.data.headers.fields, b"upgrade")
+    return value is not None and value.lower() == b"websocket"
 
 
 class WebSocketSink:
