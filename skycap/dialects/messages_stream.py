@@ -44,9 +44,20 @@ class MessagesAssembler(EventStream):
 
     Relay use (as for chat): after each `feed(chunk)`, hold `chunk` back once
     `finish_seen` is true, i.e. from the `message_delta` carrying a `stop_reason`; `done`
-    turns on at `message_stop`. `ping` events are ignored; an `error` event is remembered
-    and named by `result()`.
+    turns on at `message_stop`. `ping` and `content_block_stop` events are passed by
+    unparsed (`EventStream`); an `error` event is remembered and named by `result()`.
     """
+
+    READS = frozenset(
+        {
+            b"message_start",
+            b"content_block_start",
+            b"content_block_delta",
+            b"message_delta",
+            b"message_stop",
+            b"error",
+        }
+    )
 
     __slots__ = ("_reply", "_blocks", "_usage", "_stop", "_reported_error")
 

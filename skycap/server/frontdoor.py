@@ -44,6 +44,8 @@ HEAD_LIMIT = 1 << 16
 #: once (asyncio's default is 100; the kernel caps it at net.core.somaxconn).
 BACKLOG = 1024
 _READ = 1 << 16
+#: A streamed answer waits for the harness to read once this much is unsent.
+_BUFFERED = 1 << 16
 CLIENT_GONE = "Client disconnected."
 _HOOKS = (
     "requestheaders",
@@ -413,12 +415,7 @@ class FrontDoor:
         writer = conn.writer
         writer.write(http1.assemble_response_head(response))
         try:
-            async for piece in pieces:
-                for out in _tapped(tap, piece):
-                    writer.write(chunk(out) if chunked else out)
-                await writer.drain()
-                if conn.gone:
-                    raise ConnectionResetError(CLIENT_GONE)
+            await _pass_on(pieces, conn, tap, chunked)
             if chunked:
                 for out in _tapped(tap, b""):
                     writer.write(chunk(out))
@@ -490,6 +487,27 @@ def _request(head: bytes) -> tuple[http.Request, int | None, bool] | None:
         elif lowered in _HANDED_OVER:
             return None
     return request, size, close
+
+
+async def _pass_on(
+    pieces: AsyncIterator[bytes],
+    conn: _Open,
+    tap: Callable[[bytes], Any] | None,
+    chunked: bool,
+) -> None:
+    """Write each piece as it arrives, waiting for the harness only when it reads slowly."""
+    writer = conn.writer
+    transport = writer.transport
+    async for piece in pieces:
+        if tap is not None:
+            for out in _tapped(tap, piece):
+                writer.write(chunk(out) if chunked else out)
+        elif piece:
+            writer.write(chunk(piece) if chunked else piece)
+        if conn.gone:
+            raise ConnectionResetError(CLIENT_GONE)
+        if transport.get_write_buffer_size() > _BUFFERED:
+            await writer.drain()
 
 
 def _tapped(tap: Callable[[bytes], Any] | None, piece: bytes) -> list[bytes]:
