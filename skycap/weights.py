@@ -101,7 +101,8 @@ _HOLDERS = ("response", "message", "delta")
 
 
 def reported_spans(obj: dict[str, Any]) -> list[Span] | None:
-    """The well-formed spans a text-mode reply body or stream event carries, else None.
+    """The well-formed spans a text-mode reply body carries, else None (a stream's events
+    are read where each dialect's events carry them, `EventStream.note_spans`).
 
     The completion's length is not known in text mode, so only the shape is checked; a
     malformed value is not recorded (it says nothing reliable).
@@ -117,7 +118,12 @@ def reported_spans(obj: dict[str, Any]) -> list[Span] | None:
             if type(holder) is dict and (value := holder.get("weight_versions")) is not None:
                 break
         else:
-            return None  # most events: nothing to read
+            return None
+    return well_formed_spans(value)
+
+
+def well_formed_spans(value: Any) -> list[Span] | None:
+    """A reported `weight_versions` value as spans, or None when it is not well-formed."""
     try:
         return read_spans(value, None)
     except SpansError:

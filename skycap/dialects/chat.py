@@ -139,15 +139,17 @@ class _Choice:
         self.finish_reason: str | None = None
 
     def apply(self, delta: dict[str, Any]) -> None:
-        role = delta.get("role")
-        if isinstance(role, str) and role:
-            self.role = role
         content = delta.get("content")
-        if isinstance(content, str):
+        if type(content) is str:
             if self.content is None:
                 self.content = [content]
             else:
                 self.content.append(content)
+            if len(delta) == 1:  # the usual token: nothing else to read
+                return
+        role = delta.get("role")
+        if isinstance(role, str) and role:
+            self.role = role
         reasoning = delta.get("reasoning_content")
         if not isinstance(reasoning, str):
             reasoning = delta.get("reasoning")
@@ -214,28 +216,44 @@ class StreamAssembler(EventStream):
         return self._usage
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
+        # One call per token of a reply: written for that, each read once.
         usage = event.get("usage")
-        if isinstance(usage, dict):
+        if usage is not None and type(usage) is dict:
             self._usage = usage
         if "error" in event:
             self._reported_error = event["error"]
         choices = event.get("choices")
         if choices is None:
             return
-        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        if type(choices) is not list:
             self._error = f"unreadable stream: `choices` is not a list of objects: {choices!r:.200}"
             return
+        for choice in choices:  # all checked before any is read
+            if type(choice) is not dict:
+                self._error = (
+                    f"unreadable stream: `choices` is not a list of objects: {choices!r:.200}"
+                )
+                return
         for choice in choices:
             self._choice(choice)
+        # vLLM puts them on the choice (chat_completion/serving.py); the first choice's
+        # are the reply's, as for a whole reply (skycap.weights.reported_spans).
+        if choices and "weight_versions" in choices[0]:
+            self.note_spans(choices[0])
+        if "weight_versions" in event:
+            self.note_spans(event)
 
     def _choice(self, choice: dict[str, Any]) -> None:
-        state = _indexed(self._choices, choice, _Choice)
+        index = choice.get("index")
+        state = self._choices.get(index if type(index) is int else 0)
+        if state is None:
+            state = _indexed(self._choices, choice, _Choice)
         finish_reason = choice.get("finish_reason")
-        if isinstance(finish_reason, str) and finish_reason:
+        if finish_reason is not None and type(finish_reason) is str and finish_reason:
             state.finish_reason = finish_reason
             self._finish_seen = True
         delta = choice.get("delta")
-        if isinstance(delta, dict):
+        if type(delta) is dict:
             state.apply(delta)
 
     def result(self) -> tuple[dict[str, Any], str]:

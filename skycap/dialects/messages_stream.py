@@ -87,6 +87,9 @@ class MessagesAssembler(EventStream):
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
         kind = event.get("type")
+        for holder in (event, event.get("message"), event.get("delta")):
+            if type(holder) is dict and "weight_versions" in holder:
+                self.note_spans(holder)
         if kind == "content_block_delta":
             block = self._blocks.get(event.get("index"))  # type: ignore[arg-type]
             delta = event.get("delta")

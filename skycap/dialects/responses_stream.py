@@ -120,6 +120,10 @@ class ResponsesAssembler(EventStream):
         if isinstance(response, dict) and isinstance(response.get("id"), str):
             self.reply_id = response["id"]
             self.response = response
+        if isinstance(response, dict) and "weight_versions" in response:
+            self.note_spans(response)
+        if "weight_versions" in event:
+            self.note_spans(event)
         if kind == "response.output_item.done":
             index, item = event.get("output_index"), event.get("item")
             if type(index) is int and isinstance(item, dict):

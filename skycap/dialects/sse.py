@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from skycap.weights import Span, reported_spans
+from skycap.weights import Span, well_formed_spans
 
 _PAYLOAD_PREVIEW = 200
 
@@ -24,7 +24,7 @@ class EventStream:
     raised by the subclass's `result()`. Each complete event's JSON object goes to
     `_event(name, event)`; `data: [DONE]` sets `done`. An event the server never
     terminated with a blank line is dropped, as the SSE rules (and the SDKs) do.
-    `weight_versions` keeps the last spans an event carried (skycap.weights).
+    `weight_versions` keeps the last well-formed spans an event carried (skycap.weights).
 
     A subclass that reads only some events by their `event:` name lists them in `READS`
     (None: every event is read). An event named otherwise (a Responses stream's per-token
@@ -70,6 +70,13 @@ class EventStream:
 
     def feed(self, chunk: bytes) -> None:
         """Consume one chunk of the response body, split anywhere."""
+        if (
+            chunk[-2:] == b"\n\n"
+            and not (self._pending or self._data or self._held_cr)
+            and chunk.find(b"\r") < 0
+        ):
+            self._whole_events(chunk)
+            return
         if self._held_cr:
             chunk = b"\r" + chunk
             self._held_cr = False
@@ -92,8 +99,27 @@ class EventStream:
             self._pending = []
         if cut + 1 < len(chunk):
             self._pending.append(chunk[cut + 1 :])
-        # The field rules inline (one method call per event, not per line): an event
-        # stream's per-chunk cost is most of what a streamed call costs to capture.
+        self._lines(lines)
+
+    def _whole_events(self, chunk: bytes) -> None:
+        """A chunk of whole events, the usual chunk: an event that is one `data: ` line,
+        after an `event: ` line or not, is read without the line-by-line rules."""
+        for block in chunk[:-2].split(b"\n\n"):
+            data, name = block, None
+            if data.startswith(b"event: "):
+                end = data.find(b"\n")
+                if end > 0:
+                    name = data[7:end].strip()
+                    data = data[end + 1 :]
+            if data.startswith(b"data: ") and data.find(b"\n") < 0:
+                if not self._done and self._error is None:
+                    self._payload(data[6:], name)
+            else:
+                self._lines(block + b"\n\n")
+
+    def _lines(self, lines: bytes) -> None:
+        """Whole lines, by the field rules (inline: one method call per event, not per
+        line; a stream's events are most of what a streamed call costs to capture)."""
         data = self._data
         for line in lines.splitlines():
             if not line:
@@ -114,7 +140,9 @@ class EventStream:
         self._data, self._name = [], None
         if self._done or self._error is not None:
             return
-        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        self._payload(data[0] if len(data) == 1 else b"\n".join(data), name)
+
+    def _payload(self, payload: bytes, name: bytes | None) -> None:
         if payload.strip() == b"[DONE]":
             self._done = True
             return
@@ -137,13 +165,18 @@ class EventStream:
             )
             return
         self._events += 1
-        spans = reported_spans(event)
-        if spans is not None:
-            self.weight_versions = spans
         self._event(name, event)
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
+        """One event's JSON object; a subclass calls `note_spans` on the objects its
+        dialect's events carry `weight_versions` on."""
         raise NotImplementedError
+
+    def note_spans(self, holder: dict[str, Any]) -> None:
+        """Keep the spans `holder` carries (the last an event carried win), if well-formed."""
+        value = holder.get("weight_versions")
+        if value is not None and (spans := well_formed_spans(value)) is not None:
+            self.weight_versions = spans
 
 
 def frame(payload: Any, event: str | None = None) -> bytes:
