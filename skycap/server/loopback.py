@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import secrets
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -109,6 +110,10 @@ class Loopback:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._answers: dict[bytes, Answer] = {}
+        # Paths are a secret prefix and a count: as unguessable to another local process
+        # as a fresh token each, which would cost a system call per answer.
+        self._prefix = _PREFIX + secrets.token_hex(16).encode() + b"-"
+        self._count = itertools.count()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -121,7 +126,7 @@ class Loopback:
 
     def register(self, answer: Answer) -> bytes:
         """The path a flow is re-targeted to for `answer` (served once)."""
-        path = _PREFIX + secrets.token_hex(16).encode()
+        path = b"%s%d" % (self._prefix, next(self._count))
         self._answers[path] = answer
         return path
 

@@ -75,7 +75,10 @@ def response_head(head: bytes) -> http.Response:
 
 def asks_close(fields: Fields) -> bool:
     """Whether headers say `connection: close`."""
-    return any(k.lower() == b"connection" and b"close" in v.lower() for k, v in fields)
+    for name, value in fields:  # a loop, not any(): read for every request and response
+        if name.lower() == b"connection" and value.lower().find(b"close") >= 0:
+            return True
+    return False
 
 
 def response_of(status: int, fields: Fields) -> http.Response:

@@ -554,10 +554,13 @@ def _text(response: http.Response) -> str:
 
 def _read_reply(response: http.Response) -> dict[str, Any]:
     """The reply body as a JSON object; a ValueError says why it is not one."""
-    try:
-        content = response.get_content(strict=True) or b""
-    except ValueError as exc:
-        raise ValueError(f"the body cannot be decoded: {exc}") from None
+    if raw_header(response.headers.fields, b"content-encoding") is None:
+        content = response.raw_content or b""  # as get_content gives a body with no encoding
+    else:
+        try:
+            content = response.get_content(strict=True) or b""
+        except ValueError as exc:
+            raise ValueError(f"the body cannot be decoded: {exc}") from None
     try:
         parsed = orjson.loads(content)
     except orjson.JSONDecodeError as exc:
