@@ -2,7 +2,7 @@
 one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
-        [--api chat,messages,responses] [--upstream asyncio,threaded]
+        [--api chat,messages,responses] [--upstream asyncio,threaded] [--stream no,yes]
 
 The relay is the baseline a capture server is held to: an aiohttp server that parses the
 request body, sends it upstream with one pooled aiohttp client, parses a whole reply (or
@@ -14,13 +14,14 @@ upstream and streams event streams through: the transport's own cost, without ca
 
 The mock upstream, the relay, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
-sends the same chat body, non-streamed and streamed, to each target, in interleaved
-rounds (so load from elsewhere on the machine hits every target alike). Proxy CPU comes from
-/proc/<pid>/stat (utime + stime) around each measurement. Printed per cell: throughput,
-p50/p99 latency and proxy CPU per call; then skycap's additions over the no-op proxy
-(targets: <= 0.2 ms CPU and <= 0.3 ms p50 per call) and over direct (goal <= 1.0 ms p50,
-never above 1.5 ms). Each API (`--api`: Chat Completions and Anthropic Messages) has its
-own mock upstream and proxies, and its own rows.
+sends the same body, whole replies and streamed (`--stream`), to each target, in
+interleaved rounds (so load from elsewhere on the machine hits every target alike). Server
+CPU comes from /proc/<pid>/stat (utime + stime) around each measurement. Printed per cell:
+throughput, p50/p99 latency and server CPU per call; then the p50 each server adds over
+direct and its CPU per call, with skycap's ratios to the relay (the target: at most 1,
+docs/performance.md "Against a minimal aiohttp relay"). Each API (`--api`) has its own
+mock upstream and servers, and its own rows. For a change to capture, judge by
+bench_instructions.py, whose counts do not move between runs.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ Finish reasons on the canonical side are Chat Completions': `stop`, `length`, `t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,8 +138,10 @@ class Request:
     `extras` carries what only token mode reads (`cache_salt`, `max_prompt_tokens`, and
     `token_tools` / `omitted_tools` when token mode renders fewer tools than were sent);
     `token_refusal`, when set, is why token mode cannot run the call (a 400 there; text
-    mode forwards it all the same); `recorded` holds fields every call of this request
-    records besides the common ones (Responses: `previous_response_id`, `instructions`).
+    mode forwards it all the same); a dialect may give it as `refusal`, a function worked
+    out on first asking, as text mode never asks. `recorded` holds fields every call of
+    this request records besides the common ones (Responses: `previous_response_id`,
+    `instructions`).
     """
 
     body: dict[str, Any]
@@ -149,8 +151,18 @@ class Request:
     sampling: dict[str, Any]
     stream: bool
     extras: dict[str, Any] = field(default_factory=dict)
-    token_refusal: str | None = None
+    refusal: str | Callable[[], str | None] | None = None
     recorded: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_refusal(self) -> str | None:
+        if callable(self.refusal):
+            self.refusal = self.refusal()
+        return self.refusal
+
+    @token_refusal.setter
+    def token_refusal(self, value: str | None) -> None:
+        self.refusal = value
 
 
 @dataclass(frozen=True, slots=True)

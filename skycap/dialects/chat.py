@@ -333,7 +333,7 @@ class ChatDialect:
             sampling=recorded_sampling(body),
             stream=body.get("stream") is True,
             extras=extras,
-            token_refusal=refusal(unread[0][1], unread[0][0]) if unread else None,
+            refusal=refusal(unread[0][1], unread[0][0]) if unread else None,
         )
         return tool_choice.apply(request, *tool_choice.chat(body))
 

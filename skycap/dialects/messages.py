@@ -315,7 +315,7 @@ def read_request(body: Any) -> Request:
         model=body.get("model"),
         sampling=sampling,
         stream=body.get("stream") is True,
-        token_refusal=_token_refusal(body, messages, tool_refusal),
+        refusal=lambda: _token_refusal(body, messages, tool_refusal),
     )
     return tool_choice.apply(request, *tool_choice.messages(body))
 

@@ -137,7 +137,7 @@ def read_request(body: Any) -> Request:
         sampling=read_sampling(body),
         stream=body.get("stream") is True,
         extras=extras,
-        token_refusal=token_refusal(body, messages, unread),
+        refusal=lambda: token_refusal(body, messages, unread),
         recorded=recorded,
     )
     return tool_choice.apply(request, *tool_choice.responses(body))
