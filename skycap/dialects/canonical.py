@@ -18,6 +18,10 @@ SDK_CALL_DROPPED = ("index",)
 SDK_FUNCTION_DROPPED = ("parsed_arguments",)
 
 
+#: The keys a content part may have and still be plain text.
+_TEXT_PART_KEYS = frozenset(("type", "text", *PART_DROPPED))
+
+
 def text_of(parts: list[Any]) -> str | None:
     """The string a content list means when it is exactly one text block, else None."""
     if len(parts) == 1:
@@ -27,7 +31,7 @@ def text_of(parts: list[Any]) -> str | None:
             and part.get("type") == "text"
             and isinstance(part.get("text"), str)
         ):
-            if all(k in ("type", "text", *PART_DROPPED) for k in part):
+            if _TEXT_PART_KEYS.issuperset(part):
                 return part["text"]
     return None
 
