@@ -113,6 +113,14 @@ def _indexed[T](table: dict[int, T], item: dict[str, Any], make: Callable[[], T]
     return state
 
 
+def _all_objects(values: list[Any]) -> bool:
+    """Whether every value is a JSON object (a loop: one call per streamed token)."""
+    for value in values:
+        if type(value) is not dict:
+            return False
+    return True
+
+
 class _ToolCall:
     __slots__ = ("id", "name", "arguments")
 
@@ -218,22 +226,16 @@ class StreamAssembler(EventStream):
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
         # One call per token of a reply: written for that, each read once.
         usage = event.get("usage")
-        if usage is not None and type(usage) is dict:
+        if type(usage) is dict:
             self._usage = usage
         if "error" in event:
             self._reported_error = event["error"]
         choices = event.get("choices")
         if choices is None:
             return
-        if type(choices) is not list:
+        if type(choices) is not list or not _all_objects(choices):
             self._error = f"unreadable stream: `choices` is not a list of objects: {choices!r:.200}"
             return
-        for choice in choices:  # all checked before any is read
-            if type(choice) is not dict:
-                self._error = (
-                    f"unreadable stream: `choices` is not a list of objects: {choices!r:.200}"
-                )
-                return
         for choice in choices:
             self._choice(choice)
         # vLLM puts them on the choice (chat_completion/serving.py); the first choice's
@@ -244,12 +246,9 @@ class StreamAssembler(EventStream):
             self.note_spans(event)
 
     def _choice(self, choice: dict[str, Any]) -> None:
-        index = choice.get("index")
-        state = self._choices.get(index if type(index) is int else 0)
-        if state is None:
-            state = _indexed(self._choices, choice, _Choice)
+        state = _indexed(self._choices, choice, _Choice)
         finish_reason = choice.get("finish_reason")
-        if finish_reason is not None and type(finish_reason) is str and finish_reason:
+        if type(finish_reason) is str and finish_reason:
             state.finish_reason = finish_reason
             self._finish_seen = True
         delta = choice.get("delta")

@@ -117,11 +117,12 @@ class ResponsesAssembler(EventStream):
         response = event.get("response")
         if type(sequence := event.get("sequence_number")) is int:
             self._sequence = max(self._sequence, sequence)
-        if isinstance(response, dict) and isinstance(response.get("id"), str):
-            self.reply_id = response["id"]
-            self.response = response
-        if isinstance(response, dict) and "weight_versions" in response:
-            self.note_spans(response)
+        if isinstance(response, dict):
+            if isinstance(response.get("id"), str):
+                self.reply_id = response["id"]
+                self.response = response
+            if "weight_versions" in response:
+                self.note_spans(response)
         if "weight_versions" in event:
             self.note_spans(event)
         if kind == "response.output_item.done":

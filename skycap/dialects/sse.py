@@ -112,8 +112,7 @@ class EventStream:
                     name = data[7:end].strip()
                     data = data[end + 1 :]
             if data.startswith(b"data: ") and data.find(b"\n") < 0:
-                if not self._done and self._error is None:
-                    self._payload(data[6:], name)
+                self._payload(data[6:], name)
             else:
                 self._lines(block + b"\n\n")
 
@@ -138,11 +137,11 @@ class EventStream:
     def _dispatch(self) -> None:
         data, name = self._data, self._name
         self._data, self._name = [], None
-        if self._done or self._error is not None:
-            return
         self._payload(data[0] if len(data) == 1 else b"\n".join(data), name)
 
     def _payload(self, payload: bytes, name: bytes | None) -> None:
+        if self._done or self._error is not None:
+            return  # events after the end, or after an unreadable one, are not read
         if payload.strip() == b"[DONE]":
             self._done = True
             return

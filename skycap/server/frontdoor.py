@@ -483,7 +483,7 @@ def _request(head: bytes) -> tuple[http.Request, int | None, bool] | None:
                 return None
             size = None
         elif lowered == b"connection":
-            close = close or b"close" in value.lower()
+            close = close or messages.says_close(value)
         elif lowered in _HANDED_OVER:
             return None
     return request, size, close

@@ -76,9 +76,14 @@ def response_head(head: bytes) -> http.Response:
 def asks_close(fields: Fields) -> bool:
     """Whether headers say `connection: close`."""
     for name, value in fields:  # a loop, not any(): read for every request and response
-        if name.lower() == b"connection" and value.lower().find(b"close") >= 0:
+        if name.lower() == b"connection" and says_close(value):
             return True
     return False
+
+
+def says_close(value: bytes) -> bool:
+    """Whether one `connection` header value asks to close."""
+    return value.lower().find(b"close") >= 0
 
 
 def response_of(status: int, fields: Fields) -> http.Response:

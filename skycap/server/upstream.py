@@ -314,7 +314,7 @@ def _body_size(method: bytes, response: http.Response) -> int | None:
     `content-length`; any other head goes to mitmproxy's own rules."""
     data = response.data
     if method.upper() != b"HEAD" and data.status_code >= 200 and data.status_code not in (204, 304):
-        framing = [(k.lower(), v) for k, v in data.headers.fields if k.lower() in _FRAMING]
+        framing = [(n, v) for k, v in data.headers.fields if (n := k.lower()) in _FRAMING]
         if len(framing) == 1:
             name, value = framing[0]
             if name == b"transfer-encoding" and value.lower() == b"chunked":
