@@ -23,7 +23,7 @@ from skycap.dialects.chat_writer import (
     usage_of,
 )
 from skycap.dialects.opaque import opaque, refusal
-from skycap.dialects.sse import EventStream, StreamError
+from skycap.dialects.sse import EVENTS_BEFORE_SHAPES, EventStream, StreamError, Where
 from skycap.wire import BodyError, json_type
 
 #: A chat request's sampling keys: text mode records them as the call's `sampling`
@@ -161,13 +161,42 @@ class _Choice:
         reasoning = delta.get("reasoning_content")
         if not isinstance(reasoning, str):
             reasoning = delta.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
-            self.reasoning.append(reasoning)
+        if isinstance(reasoning, str):
+            self.add_reasoning(reasoning)
         tool_calls = delta.get("tool_calls")
         if isinstance(tool_calls, list):
             for entry in tool_calls:
                 if isinstance(entry, dict):
                     self._merge_tool_call(entry)
+
+    def add_reasoning(self, text: str) -> None:
+        if text:  # an empty piece leaves a reply without reasoning as it is
+            self.reasoning.append(text)
+
+    def shape_of(self, delta: dict[str, Any]) -> tuple[Where, str, Callable[[str], None]] | None:
+        """(where, the string, what adds it) for a delta that only adds one string to this
+        choice (content, reasoning, a tool call's arguments); else None."""
+        if len(delta) != 1:
+            return None
+        ((key, value),) = delta.items()
+        if key == "content" and type(value) is str:
+            return ("content",), value, self.content.append  # type: ignore[union-attr]
+        if key in ("reasoning_content", "reasoning") and type(value) is str:
+            return (key,), value, self.add_reasoning
+        if key == "tool_calls" and type(value) is list and len(value) == 1:
+            entry = value[0]
+            if (
+                type(entry) is dict
+                and len(entry) == 2
+                and type(entry.get("index")) is int
+                and type(function := entry.get("function")) is dict
+                and len(function) == 1
+                and type(function.get("arguments")) is str
+            ):
+                arguments = self.tool_calls[entry["index"]].arguments
+                where = ("tool_calls", 0, "function", "arguments")
+                return where, function["arguments"], arguments.append
+        return None
 
     def _merge_tool_call(self, entry: dict[str, Any]) -> None:
         call = _indexed(self.tool_calls, entry, _ToolCall)
@@ -242,8 +271,26 @@ class StreamAssembler(EventStream):
         # are the reply's, as for a whole reply (skycap.weights.reported_spans).
         if choices and "weight_versions" in choices[0]:
             self.note_spans(choices[0])
+        elif (
+            self._events > EVENTS_BEFORE_SHAPES
+            and len(choices) == 1
+            and type(usage) is not dict
+            and "weight_versions" not in event
+        ):
+            self._learn(event, choices[0])
         if "weight_versions" in event:
             self.note_spans(event)
+
+    def _learn(self, event: dict[str, Any], choice: dict[str, Any]) -> None:
+        """Learn the shape of a token event: one choice whose delta only adds a string."""
+        finish_reason = choice.get("finish_reason")
+        delta = choice.get("delta")
+        if (type(finish_reason) is str and finish_reason) or type(delta) is not dict:
+            return
+        found = _indexed(self._choices, choice, _Choice).shape_of(delta)
+        if found is not None and "error" not in event:
+            where, text, apply = found
+            self.learn_shape(event, ("choices", 0, "delta", *where), text, apply)
 
     def _choice(self, choice: dict[str, Any]) -> None:
         state = _indexed(self._choices, choice, _Choice)

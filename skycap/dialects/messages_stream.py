@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from skycap.dialects.sse import EventStream, StreamError
+from skycap.dialects.sse import EVENTS_BEFORE_SHAPES, EventStream, StreamError
 
 
 class _Block:
@@ -96,14 +96,24 @@ class MessagesAssembler(EventStream):
             if block is None or not isinstance(delta, dict):
                 return
             dtype = delta.get("type")
+            pieces = key = None
             if dtype == "text_delta" and isinstance(delta.get("text"), str):
-                block.text.append(delta["text"])
+                pieces, key = block.text, "text"
             elif dtype == "thinking_delta" and isinstance(delta.get("thinking"), str):
-                block.text.append(delta["thinking"])
+                pieces, key = block.text, "thinking"
             elif dtype == "signature_delta" and isinstance(delta.get("signature"), str):
                 block.signature.append(delta["signature"])
             elif dtype == "input_json_delta" and isinstance(delta.get("partial_json"), str):
-                block.json.append(delta["partial_json"])
+                pieces, key = block.json, "partial_json"
+            if pieces is not None:
+                pieces.append(delta[key])
+                # The next pieces of this block, if only the piece differs (EventStream).
+                if (
+                    self._events > EVENTS_BEFORE_SHAPES
+                    and len(delta) == 2
+                    and "weight_versions" not in event
+                ):
+                    self.learn_shape(event, ("delta", key), delta[key], pieces.append)
         elif kind == "content_block_start":
             index, start = event.get("index"), event.get("content_block")
             if (

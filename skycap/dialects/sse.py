@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -9,6 +11,20 @@ import orjson
 from skycap.weights import Span, well_formed_spans
 
 _PAYLOAD_PREVIEW = 200
+#: A string no upstream can know, put where a shape's string was to test the shape.
+_PROBE = "skycap" + secrets.token_hex(8)
+#: Shapes learned per stream at most: enough for a reply's content, reasoning and a dozen
+#: tool calls, and a bound on the work wasted on events that differ in more than a string.
+SHAPES_PER_STREAM = 16
+#: A stream's first events are read in full, no shape tried: learning one costs about two
+#: events, so a short reply is read without.
+EVENTS_BEFORE_SHAPES = 8
+
+#: Keys and indexes from an event's top to one of its values.
+type Where = tuple[str | int, ...]
+#: An event's bytes before and after one JSON string, what takes the string, and where
+#: the string's quotes are: (head, tail, apply, head's last byte, tail's first from the end).
+type Shape = tuple[bytes, bytes, Callable[[str], None], int, int]
 
 
 class StreamError(ValueError):
@@ -31,6 +47,12 @@ class EventStream:
     deltas, which its terminal event repeats) is passed by unparsed, which on a long
     stream is most of the work; only the last one's payload is kept (`passed`). An event
     without a name is read.
+
+    A stream's token events mostly differ in one string, the piece. A subclass that reads
+    an event whose only effect is to take one string (`apply(text)`) says so with
+    `learn_shape` (past the stream's first `EVENTS_BEFORE_SHAPES` events: a subclass asks
+    before looking for the piece), and the events that are the same bytes but for that
+    string go to `apply` with only the string parsed, until any other event is read.
     """
 
     READS: frozenset[bytes] | None = None
@@ -45,6 +67,9 @@ class EventStream:
         "_events",
         "passed",
         "weight_versions",
+        "_shape",
+        "_shapes_left",
+        "_block",
     )
 
     def __init__(self) -> None:
@@ -57,6 +82,10 @@ class EventStream:
         self._events = 0
         self.passed: bytes | None = None
         self.weight_versions: list[Span] | None = None
+        self._shape: Shape | None = None
+        self._shapes_left = SHAPES_PER_STREAM
+        # The event `_whole_events` read last (it may teach a shape), or None.
+        self._block: bytes | None = None
 
     @property
     def done(self) -> bool:
@@ -104,7 +133,19 @@ class EventStream:
     def _whole_events(self, chunk: bytes) -> None:
         """A chunk of whole events, the usual chunk: an event that is one `data: ` line,
         after an `event: ` line or not, is read without the line-by-line rules."""
+        shape, reads = self._shape, self.READS
         for block in chunk[:-2].split(b"\n\n"):
+            if shape is not None and block.startswith(shape[0]) and block.endswith(shape[1]):
+                # From head's closing quote to tail's opening one: one JSON string, or (a
+                # block too short to hold both, a body with a quote in it) an error.
+                try:
+                    text = orjson.loads(block[shape[3] : len(block) + shape[4]])
+                except orjson.JSONDecodeError:
+                    pass
+                else:
+                    self._events += 1
+                    shape[2](text)
+                    continue
             data, name = block, None
             if data.startswith(b"event: "):
                 end = data.find(b"\n")
@@ -112,13 +153,29 @@ class EventStream:
                     name = data[7:end].strip()
                     data = data[end + 1 :]
             if data.startswith(b"data: ") and data.find(b"\n") < 0:
-                self._payload(data[6:], name)
+                payload = data[6:]
+                if (
+                    name is not None
+                    and reads is not None
+                    and name not in reads
+                    and payload[:1] == b"{"  # not the end marker
+                    and not self._done
+                    and self._error is None
+                ):
+                    self._events += 1  # passed by, as `_payload` would
+                    self.passed = payload
+                    continue
+                self._block = block
+                self._payload(payload, name)
+                shape = self._shape
             else:
                 self._lines(block + b"\n\n")
+                shape = self._shape
 
     def _lines(self, lines: bytes) -> None:
         """Whole lines, by the field rules (inline: one method call per event, not per
         line; a stream's events are most of what a streamed call costs to capture)."""
+        self._block = None  # no shapes learned from events read by these rules
         data = self._data
         for line in lines.splitlines():
             if not line:
@@ -144,11 +201,13 @@ class EventStream:
             return  # events after the end, or after an unreadable one, are not read
         if payload.strip() == b"[DONE]":
             self._done = True
+            self._shape = None
             return
         if name is not None and self.READS is not None and name not in self.READS:
             self._events += 1
             self.passed = payload
             return
+        self._shape = None  # a shape holds only until another event is read
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
@@ -166,6 +225,38 @@ class EventStream:
         self._events += 1
         self._event(name, event)
 
+    def learn_shape(
+        self,
+        event: dict[str, Any],
+        where: Where,
+        text: str,
+        apply: Callable[[str], None],
+    ) -> None:
+        """`event`, just read, did nothing but `apply(text)`, `text` being the string at
+        the path `where` in it: events that are its bytes but for that string go to `apply`.
+
+        The shape is the event's bytes around the string as the upstream encoded it, and it
+        is kept only if the event with a probe string in that place parses to the event
+        with the probe at `where`: the string is then exactly that value, and any event of
+        those bytes around one valid JSON string body is this event with another string.
+        """
+        block = self._block
+        if block is None or not self._shapes_left:
+            return
+        self._shapes_left -= 1
+        start = 6 if block.startswith(b"data: ") else block.find(b"\n") + 7
+        encoded = orjson.dumps(text)
+        at = block.rfind(encoded)
+        if at < start:
+            return
+        head, tail = block[: at + 1], block[at + len(encoded) - 1 :]
+        try:
+            probe = orjson.loads(head[start:] + _PROBE.encode() + tail)
+        except orjson.JSONDecodeError:
+            return
+        if probe == _replaced(event, where, _PROBE):
+            self._shape = (head, tail, apply, len(head) - 1, 1 - len(tail))
+
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
         """One event's JSON object; a subclass calls `note_spans` on the objects its
         dialect's events carry `weight_versions` on."""
@@ -176,6 +267,15 @@ class EventStream:
         value = holder.get("weight_versions")
         if value is not None and (spans := well_formed_spans(value)) is not None:
             self.weight_versions = spans
+
+
+def _replaced(value: Any, where: Where, new: str) -> Any:
+    """`value` with the value at path `where` replaced by `new` (copies along the path)."""
+    if not where:
+        return new
+    copy = list(value) if type(value) is list else dict(value)
+    copy[where[0]] = _replaced(value[where[0]], where[1:], new)  # type: ignore[index]
+    return copy
 
 
 def frame(payload: Any, event: str | None = None) -> bytes:
