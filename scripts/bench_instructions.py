@@ -2,7 +2,7 @@
 under valgrind, in one run, with the roles and load of bench_text.py.
 
     uv run python scripts/bench_instructions.py [--api chat,messages,responses]
-        [--stream no,yes] [--calls 300] [--events]
+        [--stream no,yes] [--calls 300] [--reply-events 0] [--events]
 
 CPU time per call on a shared 2-core machine moves by 10% between runs of the same code
 (bench_text.py); the instructions a server executes per call move by well under 1%, so
@@ -54,9 +54,11 @@ def valgrind(tool: str, out: str, *args: str) -> list[str]:
     ]
 
 
-def server_instructions(role: str, api: str, stream: bool, calls: int, workdir: str) -> float:
+def server_instructions(
+    role: str, api: str, stream: bool, calls: int, workdir: str, reply_events: int
+) -> float:
     """Instructions per call of one server role, collection on only for the measured calls."""
-    upstream = bench_text.Child("upstream", api)
+    upstream = bench_text.Child("upstream", api, str(reply_events))
     out = f"{workdir}/{role}.%p"
     args = [upstream.url] if role == "relay" else [upstream.url, "server"]
     command = valgrind("callgrind", out, "--instr-atstart=no")
@@ -151,6 +153,9 @@ def main() -> None:
     parser.add_argument("--stream", default="no,yes", help="comma-separated: no, yes")
     parser.add_argument("--calls", type=int, default=300, help="measured calls per server")
     parser.add_argument("--events", action="store_true", help="instructions per streamed event")
+    parser.add_argument(
+        "--reply-events", type=int, default=0, help="as bench_text.py's (0: a short reply)"
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
@@ -174,7 +179,9 @@ def main() -> None:
         for api in apis:
             for stream in args.stream.split(","):
                 counts = {
-                    r: server_instructions(r, api, stream == "yes", args.calls, workdir)
+                    r: server_instructions(
+                        r, api, stream == "yes", args.calls, workdir, args.reply_events
+                    )
                     for r in ROLES
                 }
                 row = "".join(f"{counts[r] / 1000:>9.0f}k" for r in ROLES)

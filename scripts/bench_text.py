@@ -3,6 +3,7 @@ one run.
 
     uv run python scripts/bench_text.py [--requests 1500] [--concurrency 1,16,64]
         [--api chat,messages,responses] [--upstream asyncio,threaded] [--stream no,yes]
+        [--reply-events 0]
 
 The relay is the baseline a capture server is held to: an aiohttp server that parses the
 request body, sends it upstream with one pooled aiohttp client, parses a whole reply (or
@@ -20,7 +21,9 @@ CPU comes from /proc/<pid>/stat (utime + stime) around each measurement. Printed
 throughput, p50/p99 latency and server CPU per call; then the p50 each server adds over
 direct and its CPU per call, with skycap's ratios to the relay (the target: at most 1,
 docs/performance.md "Against a minimal aiohttp relay"). Each API (`--api`) has its own
-mock upstream and servers, and its own rows. For a change to capture, judge by
+mock upstream and servers, and its own rows. The upstream's reply is a short echo (a
+stream of 2 content events) unless `--reply-events` asks for a reply of that many (vLLM
+streams an event a token, so an agent's turn is hundreds). For a change to capture, judge by
 bench_instructions.py, whose counts do not move between runs.
 """
 
@@ -69,14 +72,22 @@ RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "parameters": {"typ
 # -- the processes under test ----------------------------------------------------------------
 
 
-def role_threaded_upstream() -> None:
+def long_reply(events: int) -> str:
+    """Text a mock upstream streams in about `events` content events (skycap.mock.replies
+    PIECE_CHARS a piece), as words."""
+    from skycap.mock.replies import PIECE_CHARS
+
+    return ("tokens " * (events * PIECE_CHARS // 7 + 1))[: events * PIECE_CHARS]
+
+
+def role_threaded_upstream(reply_events: int) -> None:
     """A thread-per-connection Chat Completions upstream (`http.server`), keep-alive."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from skycap.mock.chat_wire import completion_body, stream_events
     from skycap.mock.replies import Reply
 
-    reply = Reply(content="echo: Go ahead.")
+    reply = Reply(content=long_reply(reply_events) if reply_events else "echo: Go ahead.")
     whole = completion_body(reply, model="policy", reply_id="chatcmpl-1", request_size=100)
     events = stream_events(
         reply, model="policy", reply_id="chatcmpl-1", request_size=100, include_usage=False
@@ -160,13 +171,15 @@ def role_relay(upstream_url: str) -> None:
     asyncio.run(serve_relay())
 
 
-def role_upstream(api: str) -> None:
+def role_upstream(api: str, reply_events: int) -> None:
     from skycap.mock.anthropic import ScriptedAnthropicUpstream
+    from skycap.mock.replies import Reply
     from skycap.mock.responses import ScriptedResponsesUpstream
     from skycap.mock.upstream import ScriptedUpstream
 
     kinds = {"messages": ScriptedAnthropicUpstream, "responses": ScriptedResponsesUpstream}
-    upstream = kinds.get(api, ScriptedUpstream)()
+    reply = Reply(content=long_reply(reply_events))
+    upstream = kinds.get(api, ScriptedUpstream)(script=(lambda _: reply) if reply_events else None)
     print(upstream.start(), flush=True)
     sys.stdin.read()
     upstream.stop()
@@ -439,13 +452,20 @@ def main() -> None:
         help="the no-op proxy's and skycap's event loop: the one `skycap serve` runs "
         "(uvloop where installed; default) or asyncio's own",
     )
+    parser.add_argument(
+        "--reply-events",
+        type=int,
+        default=0,
+        help="the upstream's reply: text streamed in about this many content events (vLLM "
+        "streams one a token); 0 (default): a short echo, 2 content events",
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         if args.role[0] == "upstream":
-            role_upstream(args.role[1])
+            role_upstream(args.role[1], int(args.role[2]))
         elif args.role[0] == "threaded":
-            role_threaded_upstream()
+            role_threaded_upstream(int(args.role[1]))
         elif args.role[0] == "relay":
             role_relay(args.role[1])
         else:
@@ -464,7 +484,11 @@ def main() -> None:
                 parser.error(f"--api takes chat, messages and/or responses, got {api!r}")
             if kind not in ("asyncio", "threaded") or (kind == "threaded" and api != "chat"):
                 parser.error(f"--upstream {kind} does not serve --api {api}")
-            upstream = Child("threaded") if kind == "threaded" else Child("upstream", api)
+            events = str(args.reply_events)
+            if kind == "threaded":
+                upstream = Child("threaded", events)
+            else:
+                upstream = Child("upstream", api, events)
             relay = Child("relay", upstream.url)
             noop = Child("noop", upstream.url, args.loop)
             skycap = Child("skycap", upstream.url, args.loop)

@@ -171,10 +171,13 @@ async def _dechunk(data: bytes, step: int) -> tuple[bytes, bytes, int]:
     return b"".join(pieces), await reader.read(), len(pieces)
 
 
+@pytest.mark.parametrize("extension", [b"", b";ext=1", b" ; ext=1"])
 @pytest.mark.parametrize("step", [1, 2, 5, 1 << 16])
-def test_a_chunked_body_is_read_at_any_split_and_what_follows_is_left(step: int) -> None:
+def test_a_chunked_body_is_read_at_any_split_and_what_follows_is_left(
+    step: int, extension: bytes
+) -> None:
     chunks = [b"data: one\n\n", b"x" * 300, b"\r\n\n"]
-    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in chunks)
+    body = b"".join(b"%x%s\r\n%s\r\n" % (len(c), extension, c) for c in chunks)
     for ending in (b"0\r\n\r\n", b"0\r\nx-trailer: 1\r\n\r\n"):
         data, rest, count = asyncio.run(_dechunk(body + ending + b"NEXT", step))
         assert data == b"".join(chunks) and rest == b"NEXT"

@@ -268,7 +268,7 @@ async def read_chunked(
 def _chunks(buffer: bytes) -> tuple[list[bytes], int, bool]:
     """The complete chunks at the front of `buffer`: their data, where the rest starts,
     and whether the last chunk (and its trailers) ended the body."""
-    pieces = []
+    pieces: list[bytes] = []
     pos = 0
     while True:
         end = buffer.find(b"\n", pos)
@@ -276,7 +276,10 @@ def _chunks(buffer: bytes) -> tuple[list[bytes], int, bool]:
             if len(buffer) - pos > _LIMIT:
                 raise ValueError(f"a chunk-size line longer than {_LIMIT} bytes")
             return pieces, pos, False
-        size = int(buffer[pos:end].split(b";", 1)[0].strip(), 16)
+        try:  # the usual line: the size and CR (int skips the whitespace); one step each
+            size = int(buffer[pos:end], 16)
+        except ValueError:  # a chunk extension (`;name=value`)
+            size = int(buffer[pos:end].split(b";", 1)[0].strip(), 16)
         if size == 0:
             if buffer.startswith((b"\r\n", b"\n"), end + 1):  # no trailers
                 return pieces, buffer.index(b"\n", end + 1) + 1, True
