@@ -14,8 +14,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skycap.dialects import chat, messages
+from skycap.dialects import chat, messages, responses
 from skycap.dialects.sse import EVENTS_BEFORE_SHAPES, EventStream, StreamError
+from skycap.mock.replies import Reply
+from skycap.mock.responses import response_object, stream_events
 
 PIECES = st.text(alphabet=st.sampled_from(list('ab "\\/\n\té€😀') + ["\x00", "\u2028"]), max_size=6)
 #: How an upstream may encode an event: compact UTF-8, Python's ASCII escapes, spaced.
@@ -50,6 +52,7 @@ def _read(events: list[bytes], assembler: EventStream, how: str) -> dict[str, An
         "done": assembler.done,
         "finish_seen": assembler.finish_seen,  # type: ignore[attr-defined]
         "events": assembler._events,
+        "passed": assembler.passed,
     }
 
 
@@ -219,3 +222,39 @@ def test_a_piece_repeated_later_in_the_event_is_not_taken_for_it() -> None:
     events = [event("a", "a")] * (EVENTS_BEFORE_SHAPES + 1) + [event("a", "zz"), stop]
     oracle = _same_all_ways(events, chat.DIALECT.assembler)
     assert oracle["result"][0]["content"] == "a" * (EVENTS_BEFORE_SHAPES + 2)
+
+
+#: Blocks that begin as a passed-by delta does but are not one `data:` line of an object.
+ODD_DELTAS = st.sampled_from(
+    [
+        b'event: response.output_text.delta\ndata: {"a":1}\ndata: 2\n\n',
+        b'event: response.output_text.delta\ndata: {"a":1}\nid: 7\n\n',
+        b"event: response.output_text.delta\ndata: [DONE]\n\n",
+        b"event: response.output_text.delta\ndata: {not json\n\n",
+        b"event: response.output_text.delta \ndata: {}\n\n",
+        b"event: response.output_text.deltas\ndata: {}\n\n",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    PIECES,
+    st.lists(st.tuples(st.integers(0, 40), ODD_DELTAS), max_size=3),
+    st.booleans(),
+)
+def test_a_responses_stream_passes_by_the_same_events(text, odd, whole) -> None:
+    """Deltas are passed by on how the last one began; any block that only begins so is
+    read by the full rules, and what is kept of the last one passed by is the same (the
+    stream cut anywhere: a failure event numbers after it)."""
+    response = response_object(
+        Reply(content=text * 5), {}, response_id="r1", number=0, request_size=9
+    )
+    events = stream_events(response)
+    deltas = [i for i, event in enumerate(events) if b"output_text.delta" in event]
+    for at, block in sorted(odd, reverse=True):  # after a delta, or anywhere
+        events.insert(deltas[at] + 1 if at < len(deltas) else min(at, len(events)), block)
+    # Cut after the last odd block, or not at all.
+    odd_at = [i for i, event in enumerate(events) if event in {block for _, block in odd}]
+    cut = len(events) if whole or not odd_at else odd_at[-1] + 1
+    _same_all_ways(events[:cut], responses.DIALECT.assembler)

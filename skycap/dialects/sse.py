@@ -70,6 +70,7 @@ class EventStream:
         "_shape",
         "_shapes_left",
         "_block",
+        "_unread",
     )
 
     def __init__(self) -> None:
@@ -86,6 +87,9 @@ class EventStream:
         self._shapes_left = SHAPES_PER_STREAM
         # The event `_whole_events` read last (it may teach a shape), or None.
         self._block: bytes | None = None
+        # How the last event passed by unread began, up to its payload's `{`: the next
+        # events that begin so (one `data:` line) are passed by on that alone.
+        self._unread: bytes | None = None
 
     @property
     def done(self) -> bool:
@@ -133,8 +137,18 @@ class EventStream:
     def _whole_events(self, chunk: bytes) -> None:
         """A chunk of whole events, the usual chunk: an event that is one `data: ` line,
         after an `event: ` line or not, is read without the line-by-line rules."""
-        shape, reads = self._shape, self.READS
+        shape, reads, unread = self._shape, self.READS, self._unread
         for block in chunk[:-2].split(b"\n\n"):
+            if (
+                unread is not None
+                and block.startswith(unread)
+                and block.find(b"\n", len(unread)) < 0
+                and not self._done
+                and self._error is None
+            ):
+                self._events += 1  # the event passed by last time, named the same
+                self.passed = block[len(unread) - 1 :]
+                continue
             if shape is not None and block.startswith(shape[0]) and block.endswith(shape[1]):
                 # From head's closing quote to tail's opening one: one JSON string, or (a
                 # block too short to hold both, a body with a quote in it) an error.
@@ -164,6 +178,7 @@ class EventStream:
                 ):
                     self._events += 1  # passed by, as `_payload` would
                     self.passed = payload
+                    unread = self._unread = block[: end + 8]  # `event: <name>\ndata: {`
                     continue
                 self._block = block
                 self._payload(payload, name)
