@@ -139,16 +139,6 @@ class EventStream:
         after an `event: ` line or not, is read without the line-by-line rules."""
         shape, reads, unread = self._shape, self.READS, self._unread
         for block in chunk[:-2].split(b"\n\n"):
-            if (
-                unread is not None
-                and block.startswith(unread)
-                and block.find(b"\n", len(unread)) < 0
-                and not self._done
-                and self._error is None
-            ):
-                self._events += 1  # the event passed by last time, named the same
-                self.passed = block[len(unread) - 1 :]
-                continue
             if shape is not None and block.startswith(shape[0]) and block.endswith(shape[1]):
                 # From head's closing quote to tail's opening one: one JSON string, or (a
                 # block too short to hold both, a body with a quote in it) an error.
@@ -160,6 +150,16 @@ class EventStream:
                     self._events += 1
                     shape[2](text)
                     continue
+            if (
+                unread is not None
+                and block.startswith(unread)
+                and block.find(b"\n", len(unread)) < 0
+                and not self._done
+                and self._error is None
+            ):
+                self._events += 1  # the event passed by last time, named the same
+                self.passed = block[len(unread) - 1 :]
+                continue
             data, name = block, None
             if data.startswith(b"event: "):
                 end = data.find(b"\n")
