@@ -5,8 +5,9 @@ under valgrind, in one run, with the roles and load of bench_text.py.
         [--stream no,yes] [--calls 300] [--reply-events 0] [--events]
 
 CPU time per call on a shared 2-core machine moves by 10% between runs of the same code
-(bench_text.py); the instructions a server executes per call move by well under 1%, so
-this is the benchmark to judge a change to capture by. Each server runs under callgrind
+(bench_text.py); the instructions a server executes per call mostly move by under 2%
+(now and then more: run twice before believing a change of a few percent), so this is the
+benchmark to judge a change to capture by. Each server runs under callgrind
 with collection off, takes a warm-up, then `--calls` calls one at a time with collection
 on. What is counted is user space only: the kernel's share of a call (the system calls,
 about the same for the three servers) is not, so the ratios here are larger than the CPU

@@ -86,14 +86,16 @@ class MessagesAssembler(EventStream):
             self._usage = {**(self._usage or {}), **usage}
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
-        kind = event.get("type")
-        for holder in (event, event.get("message"), event.get("delta")):
-            if type(holder) is dict and "weight_versions" in holder:
-                self.note_spans(holder)
+        kind, message, delta = event.get("type"), event.get("message"), event.get("delta")
+        if "weight_versions" in event:
+            self.note_spans(event)
+        if type(message) is dict and "weight_versions" in message:
+            self.note_spans(message)
+        if type(delta) is dict and "weight_versions" in delta:
+            self.note_spans(delta)
         if kind == "content_block_delta":
             block = self._blocks.get(event.get("index"))  # type: ignore[arg-type]
-            delta = event.get("delta")
-            if block is None or not isinstance(delta, dict):
+            if block is None or type(delta) is not dict:
                 return
             dtype = delta.get("type")
             pieces = key = None
@@ -123,11 +125,9 @@ class MessagesAssembler(EventStream):
             ):
                 self._blocks[index] = _Block(start)
         elif kind == "message_start":
-            message = event.get("message")
             if isinstance(message, dict):
                 self._merge_usage(message.get("usage"))
         elif kind == "message_delta":
-            delta = event.get("delta")
             self._merge_usage(event.get("usage"))
             if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
                 self._stop = delta["stop_reason"]

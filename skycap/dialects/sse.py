@@ -168,20 +168,16 @@ class EventStream:
                     data = data[end + 1 :]
             if data.startswith(b"data: ") and data.find(b"\n") < 0:
                 payload = data[6:]
-                if (
-                    name is not None
-                    and reads is not None
-                    and name not in reads
-                    and payload[:1] == b"{"  # not the end marker
-                    and not self._done
-                    and self._error is None
-                ):
+                self._block = block
+                if payload[:1] != b"{" or self._done or self._error is not None:
+                    self._payload(payload, name)  # the end marker, or not read at all
+                elif name is None or reads is None or name in reads:
+                    self._read(payload, name)  # as `_payload` would, its checks made here
+                else:
                     self._events += 1  # passed by, as `_payload` would
                     self.passed = payload
                     unread = self._unread = block[: end + 8]  # `event: <name>\ndata: {`
                     continue
-                self._block = block
-                self._payload(payload, name)
                 shape = self._shape
             else:
                 self._lines(block + b"\n\n")
@@ -222,6 +218,10 @@ class EventStream:
             self._events += 1
             self.passed = payload
             return
+        self._read(payload, name)
+
+    def _read(self, payload: bytes, name: bytes | None) -> None:
+        """Parse one event `_payload` lets through and hand it to `_event`."""
         self._shape = None  # a shape holds only until another event is read
         try:
             event = orjson.loads(payload)
