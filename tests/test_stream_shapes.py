@@ -1,8 +1,9 @@
 """Learned event shapes: a stream read with them reads as the same stream parsed event by event.
 
-A stream's token events differ only in their piece, so after reading one the assembler
-takes the next ones by their bytes around the piece (skycap.dialects.sse, `learn_shape`).
-The oracle is the same stream fed a byte at a time, which never takes that path.
+A stream's token events differ only in their piece, so after reading some the assembler
+takes the next ones by their bytes around the piece (skycap.dialects.sse, `learn_shape`),
+and passes by unread events on how the last one began. The oracle is the same stream fed
+a byte at a time, which takes neither shortcut.
 """
 
 from __future__ import annotations
