@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from mitmproxy import http
 from mitmproxy.net.http import http1
 
-from skycap.dialects import responses
+from skycap.dialects import chat, responses
+from skycap.dialects import messages as messages_dialect
 from skycap.dialects.messages_stream import MessagesAssembler
 from skycap.dialects.responses_stream import ResponsesAssembler
 from skycap.dialects.sse import StreamError
@@ -29,6 +30,7 @@ from skycap.server.keys import text_header
 from skycap.server.upstream import _body_size, _closes
 from skycap.text.commit import commit_text_call
 from skycap.trajectory import Trajectory
+from skycap.weights import reported_spans
 
 JSON_VALUES = st.recursive(
     st.none()
@@ -214,3 +216,42 @@ def test_the_upstream_framing_reads_are_mitmproxys(
     else:
         assert _body_size(method, response) == expected
     assert _closes(response) == http1.connection_close(version, response.headers)
+
+
+SPANS = [{"version": "3", "start": 0, "end": 2}]
+SPAN_VALUES = st.sampled_from([None, SPANS, [{"version": "4", "start": 0, "end": 1}], "bad"])
+
+
+def _holding(value: Any) -> dict[str, Any]:
+    return {} if value is None else {"weight_versions": value}
+
+
+@settings(max_examples=200, deadline=None)
+@given(SPAN_VALUES, SPAN_VALUES, SPAN_VALUES, st.booleans())
+def test_a_stream_event_s_spans_are_the_ones_a_whole_reply_s_reading_takes(
+    own, inner, third, null
+) -> None:
+    """Each dialect looks for spans only where its events carry them, and takes the first
+    that carries any, as `reported_spans` reads a whole reply: a malformed first value is
+    not passed over for a later one, and a null is no value."""
+    top = {"weight_versions": None} if null and own is None else _holding(own)
+    events = {
+        "chat": {**top, "choices": [{"index": 0, "delta": {"content": "x"}, **_holding(inner)}]},
+        "messages": {
+            **top,
+            "type": "message_delta",
+            "message": {"id": "m", **_holding(inner)},
+            "delta": {"stop_reason": "end_turn", **_holding(third)},
+        },
+        "responses": {
+            **top,
+            "type": "response.in_progress",
+            "response": {"id": "r", **_holding(inner)},
+        },
+    }
+    for dialect, event in events.items():
+        module = {"chat": chat, "messages": messages_dialect, "responses": responses}[dialect]
+        stream = module.DIALECT.assembler()
+        name = b"" if dialect == "chat" else b"event: %s\n" % event["type"].encode()
+        stream.feed(name + b"data: " + orjson.dumps(event) + b"\n\n")
+        assert stream.weight_versions == reported_spans(event), dialect

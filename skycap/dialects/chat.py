@@ -265,34 +265,38 @@ class StreamAssembler(EventStream):
         if type(choices) is not list or not _all_objects(choices):
             self._error = f"unreadable stream: `choices` is not a list of objects: {choices!r:.200}"
             return
+        state = None
         for choice in choices:
-            self._choice(choice)
-        # vLLM puts them on the choice (chat_completion/serving.py); the first choice's
-        # are the reply's, as for a whole reply (skycap.weights.reported_spans).
-        if choices and "weight_versions" in choices[0]:
+            state = self._choice(choice)
+        # The event's own spans, else its first choice's (vLLM puts them there,
+        # chat_completion/serving.py): the order skycap.weights.reported_spans reads a
+        # whole reply in.
+        if event.get("weight_versions") is not None:
+            self.note_spans(event)
+        elif choices and choices[0].get("weight_versions") is not None:
             self.note_spans(choices[0])
         elif (
             self._events > EVENTS_BEFORE_SHAPES
+            and state is not None
             and len(choices) == 1
             and type(usage) is not dict
-            and "weight_versions" not in event
+            and "error" not in event
         ):
-            self._learn(event, choices[0])
-        if "weight_versions" in event:
-            self.note_spans(event)
+            self._learn(event, choices[0], state)
 
-    def _learn(self, event: dict[str, Any], choice: dict[str, Any]) -> None:
+    def _learn(self, event: dict[str, Any], choice: dict[str, Any], state: _Choice) -> None:
         """Learn the shape of a token event: one choice whose delta only adds a string."""
         finish_reason = choice.get("finish_reason")
         delta = choice.get("delta")
         if (type(finish_reason) is str and finish_reason) or type(delta) is not dict:
             return
-        found = _indexed(self._choices, choice, _Choice).shape_of(delta)
-        if found is not None and "error" not in event:
+        found = state.shape_of(delta)
+        if found is not None:
             where, text, apply = found
             self.learn_shape(event, ("choices", 0, "delta", *where), text, apply)
 
-    def _choice(self, choice: dict[str, Any]) -> None:
+    def _choice(self, choice: dict[str, Any]) -> _Choice:
+        """Apply one choice's part of an event to its state, which it returns."""
         state = _indexed(self._choices, choice, _Choice)
         finish_reason = choice.get("finish_reason")
         if type(finish_reason) is str and finish_reason:
@@ -301,6 +305,7 @@ class StreamAssembler(EventStream):
         delta = choice.get("delta")
         if type(delta) is dict:
             state.apply(delta)
+        return state
 
     def result(self) -> tuple[dict[str, Any], str]:
         """The first choice's assembled message and finish_reason (http.md §3.1).

@@ -87,11 +87,12 @@ class MessagesAssembler(EventStream):
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
         kind, message, delta = event.get("type"), event.get("message"), event.get("delta")
-        if "weight_versions" in event:
+        # The first of these that carries spans, as skycap.weights.reported_spans reads.
+        if event.get("weight_versions") is not None:
             self.note_spans(event)
-        if type(message) is dict and "weight_versions" in message:
+        elif type(message) is dict and message.get("weight_versions") is not None:
             self.note_spans(message)
-        if type(delta) is dict and "weight_versions" in delta:
+        elif type(delta) is dict and delta.get("weight_versions") is not None:
             self.note_spans(delta)
         if kind == "content_block_delta":
             block = self._blocks.get(event.get("index"))  # type: ignore[arg-type]

@@ -117,14 +117,14 @@ class ResponsesAssembler(EventStream):
         response = event.get("response")
         if type(sequence := event.get("sequence_number")) is int:
             self._sequence = max(self._sequence, sequence)
-        if isinstance(response, dict):
-            if isinstance(response.get("id"), str):
-                self.reply_id = response["id"]
-                self.response = response
-            if "weight_versions" in response:
-                self.note_spans(response)
-        if "weight_versions" in event:
+        if isinstance(response, dict) and isinstance(response.get("id"), str):
+            self.reply_id = response["id"]
+            self.response = response
+        # The event's own spans, else its response's, as skycap.weights.reported_spans reads.
+        if event.get("weight_versions") is not None:
             self.note_spans(event)
+        elif isinstance(response, dict) and response.get("weight_versions") is not None:
+            self.note_spans(response)
         if kind == "response.output_item.done":
             index, item = event.get("output_index"), event.get("item")
             if type(index) is int and isinstance(item, dict):

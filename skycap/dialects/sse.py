@@ -273,12 +273,12 @@ class EventStream:
             self._shape = (head, tail, apply, len(head) - 1, 1 - len(tail))
 
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
-        """One event's JSON object; a subclass calls `note_spans` on the objects its
-        dialect's events carry `weight_versions` on."""
+        """One event's JSON object; a subclass calls `note_spans` on the first of the
+        objects its dialect's events carry `weight_versions` on that has them."""
         raise NotImplementedError
 
     def note_spans(self, holder: dict[str, Any]) -> None:
-        """Keep the spans `holder` carries (the last an event carried win), if well-formed."""
+        """Keep the spans `holder` carries, if well-formed (a later event's replace these)."""
         value = holder.get("weight_versions")
         if value is not None and (spans := well_formed_spans(value)) is not None:
             self.weight_versions = spans
