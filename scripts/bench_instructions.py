@@ -72,11 +72,9 @@ def server_instructions(
         url = process.stdout.readline().strip()
         if not url.startswith("http"):
             raise RuntimeError(f"{role} did not start under valgrind")
-        target = "skycap" if role == "skycap" else role
-        urls = bench_text.call_urls(api, target, url, 1)
+        urls = bench_text.call_urls(api, role, url, 1)
         body = bench_text.request_body(api, stream)
-        headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
-        headers |= {"x-api-key": "sk-bench", "anthropic-version": "2023-06-01"}
+        headers = bench_text.call_headers(api)
 
         async def drive() -> None:
             async with httpx.AsyncClient(timeout=600, headers=headers) as client:

@@ -329,6 +329,14 @@ def call_urls(api: str, target: str, base: str, workers: int) -> list[str]:
     return urls
 
 
+def call_headers(api: str) -> dict[str, str]:
+    """What the load generator's harness sends with each call of `api`."""
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    if api == "messages":
+        headers |= {"x-api-key": "sk-bench", "anthropic-version": "2023-06-01"}
+    return headers
+
+
 def request_body(api: str, stream: bool) -> bytes:
     if api == "messages":
         body = {
@@ -363,9 +371,7 @@ def measure(
 ) -> list[Cell]:
     """Every target in turn, `rounds` times, so load that comes and goes hits them alike."""
     body = request_body(api, stream)
-    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
-    if api == "messages":
-        headers |= {"x-api-key": "sk-bench", "anthropic-version": "2023-06-01"}
+    headers = call_headers(api)
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     async def run() -> list[Cell]:
