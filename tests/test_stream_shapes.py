@@ -259,3 +259,51 @@ def test_a_responses_stream_passes_by_the_same_events(text, odd, whole) -> None:
     odd_at = [i for i, event in enumerate(events) if event in {block for _, block in odd}]
     cut = len(events) if whole or not odd_at else odd_at[-1] + 1
     _same_all_ways(events[:cut], responses.DIALECT.assembler)
+
+
+#: Blocks that are not an optional `event:` line and one `data:` line, as the framing's one
+#: scan of a chunk's events reads them, each a way to differ from that by a little.
+ODD_BLOCKS = st.sampled_from(
+    [
+        b"\n\n",  # a blank line more
+        b": keep-alive\n\n",
+        b"event: \ndata: {}\n\n",  # an empty name
+        b'event:  message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"x"}}\n\n',
+        b'event: message_delta \ndata: {"type":"message_delta","delta":{"stop_reason":"y"}}\n\n',
+        b'event:message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"z"}}\n\n',
+        b'data:{"type":"ping"}\n\n',
+        b'id: 4\ndata: {"type":"ping"}\n\n',
+        b'data: {"type":"error","error":{"type":"a"}}\ndata: {"b":1}\n\n',
+        b"event: ping\n\n",
+        b"data: [DONE]\n\n",
+        b"data: {not json\n\n",
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"odd"}}\nid: 1\n\n',
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(MESSAGES_EVENTS, max_size=12),
+    st.lists(st.tuples(st.integers(0, 20), ODD_BLOCKS), max_size=3),
+    st.integers(1, 4),
+)
+def test_a_stream_with_odd_blocks_reads_the_same_in_chunks_of_events(body, odd, per_chunk) -> None:
+    """Chunks of several whole events are read by one scan when every event in them is
+    simple; an odd block anywhere among them, whatever it is, reads as the line rules read it."""
+
+    def event(kind: str, fields: dict[str, Any]) -> bytes:
+        return _sse(orjson.dumps({"type": kind, **fields}), kind)
+
+    start = {"message": {"id": "msg_1", "role": "assistant", "usage": {"input_tokens": 3}}}
+    events = [event("message_start", start)]
+    events += [event(kind, fields) for kind, fields in body]
+    events.append(event("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {}}))
+    events.append(event("message_stop", {}))
+    for at, block in sorted(odd, reverse=True):
+        events.insert(min(at, len(events)), block)
+    chunks = [b"".join(events[i : i + per_chunk]) for i in range(0, len(events), per_chunk)]
+    _same_all_ways(chunks, messages.DIALECT.assembler)
+    for new in (chat.DIALECT.assembler, responses.DIALECT.assembler):
+        _same_all_ways(chunks, new)  # read as no stream of theirs: the same error each way

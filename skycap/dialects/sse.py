@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,9 @@ type Where = tuple[str | int, ...]
 #: An event's bytes before and after one JSON string, what takes the string, and where
 #: the string's quotes are: (head, tail, apply, head's last byte, tail's first from the end).
 type Shape = tuple[bytes, bytes, Callable[[str], None], int, int]
+#: One event of a chunk of such events: an optional `event: <name>` line and one `data: `
+#: line, starting the chunk or after a blank line; found as (name or b"", payload).
+_SIMPLE_EVENT = re.compile(rb"(?:^|(?<=\n\n))(?:event: (\S+)\n)?data: ([^\n]*)\n\n")
 
 
 class StreamError(ValueError):
@@ -85,8 +89,9 @@ class EventStream:
         self.weight_versions: list[Span] | None = None
         self._shape: Shape | None = None
         self._shapes_left = SHAPES_PER_STREAM
-        # The event `_whole_events` read last (it may teach a shape), or None.
-        self._block: bytes | None = None
+        # The event `_whole_events` read last (it may teach a shape): its bytes, or its
+        # (name or b"", payload) when found by the one scan; or None.
+        self._block: bytes | tuple[bytes, bytes] | None = None
         # How the last event passed by unread began, up to its payload's `{`: the next
         # events that begin so (one `data:` line) are passed by on that alone.
         self._unread: bytes | None = None
@@ -137,7 +142,25 @@ class EventStream:
     def _whole_events(self, chunk: bytes) -> None:
         """A chunk of whole events, the usual chunk: an event that is one `data: ` line,
         after an `event: ` line or not, is read without the line-by-line rules."""
-        shape, reads, unread = self._shape, self.READS, self._unread
+        reads = self.READS
+        if self._events < EVENTS_BEFORE_SHAPES:
+            # A stream's first events, often several to a chunk, found by one scan (later
+            # ones are the shapes and pass-bys below, cheaper one to a chunk). Each match
+            # ends at one of the chunk's blank lines: any other text leaves one over.
+            events = _SIMPLE_EVENT.findall(chunk)
+            if len(events) == chunk.count(b"\n\n"):
+                for event in events:
+                    name, payload = event
+                    self._block = event
+                    if payload[:1] != b"{" or self._done or self._error is not None:
+                        self._payload(payload, name or None)  # the end marker, or not read
+                    elif not name or reads is None or name in reads:
+                        self._read(payload, name or None)  # as `_payload` would
+                    else:
+                        self._events += 1  # passed by, as `_payload` would
+                        self.passed = payload
+                return
+        shape, unread = self._shape, self._unread
         for block in chunk[:-2].split(b"\n\n"):
             if shape is not None and block.startswith(shape[0]) and block.endswith(shape[1]):
                 # From head's closing quote to tail's opening one: one JSON string, or (a
@@ -259,6 +282,9 @@ class EventStream:
         if block is None or not self._shapes_left:
             return
         self._shapes_left -= 1
+        if type(block) is tuple:  # the bytes the scan found it as
+            name, payload = block
+            block = (b"event: " + name + b"\n" if name else b"") + b"data: " + payload
         start = 6 if block.startswith(b"data: ") else block.find(b"\n") + 7
         encoded = orjson.dumps(text)
         at = block.rfind(encoded)
