@@ -6,6 +6,8 @@ import random
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from skycap.dialects import ReplyData, StreamError
 from skycap.dialects.chat import DIALECT as CHAT
@@ -128,6 +130,28 @@ def test_messages_reads_system_tools_results_thinking_and_images() -> None:
     ]
     assert request.sampling == {"max_tokens": 10, "temperature": 0.5}
     assert request.token_refusal is not None and "images" in request.token_refusal
+
+
+@given(st.text(max_size=8) | st.sampled_from(["x-anthropic-billing-header: cch=1;", ""]))
+def test_a_messages_string_content_reads_as_its_one_text_block(text: str) -> None:
+    """A string is read directly, the way its one text block is read (user, assistant and
+    system turns, and the top-level system), so both spellings land on one node. (An
+    empty top-level `system` string is no system message at all, which is not compared.)"""
+
+    def read(content: object) -> list[dict]:
+        body = {
+            "max_tokens": 8,
+            "system": content if text else None,
+            "messages": [
+                {"role": "system", "content": content},
+                {"role": "user", "content": content},
+                {"role": "assistant", "content": content},
+                {"role": "user", "content": "next"},
+            ],
+        }
+        return MESSAGES.read(body).messages
+
+    assert read(text) == read([{"type": "text", "text": text}])
 
 
 @pytest.mark.parametrize(

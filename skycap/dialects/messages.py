@@ -162,9 +162,12 @@ def _tool_result(block: dict[str, Any], where: str, known: set[str]) -> dict[str
 
 def _user(message: dict[str, Any], i: int, known: set[str]) -> list[dict[str, Any]]:
     """One user turn: its tool results as tool messages, its other blocks as user messages."""
+    content = message.get("content")
+    if type(content) is str:  # one text block, which reads as its string
+        return [{"role": "user", "content": content}]
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    for j, block in enumerate(_blocks(message.get("content"), _where(i))):
+    for j, block in enumerate(_blocks(content, _where(i))):
         if block["type"] == "tool_result":
             if parts:
                 out.append({"role": "user", "content": canonical.content(parts)})
@@ -230,6 +233,8 @@ def _billing(block: dict[str, Any]) -> bool:
 
 def _system(content: Any, where: str) -> dict[str, Any] | None:
     """A system message, or None when it held only the billing block."""
+    if type(content) is str and not content.startswith(BILLING_PREFIX):
+        return {"role": "system", "content": content}  # one text block, read as its string
     blocks = _blocks(content, where)
     parts = [_user_part(b, f"{where}[{j}]") for j, b in enumerate(blocks) if not _billing(b)]
     if not parts and blocks:
@@ -292,7 +297,11 @@ def read_request(body: Any) -> Request:
         if role == "user":
             messages.extend(_user(message, i, known))
         elif role == "assistant":
-            reply = assistant_message(_blocks(message.get("content"), _where(i)), _where(i))
+            content = message.get("content")
+            if type(content) is str:  # one text block, as assistant_message reads it
+                messages.append({"role": "assistant", "content": content or None})
+                continue
+            reply = assistant_message(_blocks(content, _where(i)), _where(i))
             known.update(call["id"] for call in reply.get("tool_calls", ()))
             messages.append(reply)
         elif role == "system":

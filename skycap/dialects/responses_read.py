@@ -75,6 +75,7 @@ SAMPLING_FIELDS = {
 #: Fields that change no token but say something about the call: recorded under
 #: `token_neutral` by their dotted paths, never hashed (docs/format.md §9).
 TOKEN_NEUTRAL = ("client_metadata", "prompt_cache_key", "text.verbosity", "reasoning.context")
+_NEUTRAL_KEYS = tuple((path, path.split(".")) for path in TOKEN_NEUTRAL)
 #: The content part types read as text.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -158,9 +159,9 @@ def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
 def token_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
     """The token-neutral fields the request set, by dotted path."""
     found: dict[str, Any] = {}
-    for path in TOKEN_NEUTRAL:
+    for path, keys in _NEUTRAL_KEYS:
         value: Any = body
-        for key in path.split("."):
+        for key in keys:
             value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
             found[path] = value
