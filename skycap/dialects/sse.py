@@ -52,6 +52,11 @@ class EventStream:
     stream is most of the work; only the last one's payload is kept (`passed`). An event
     without a name is read.
 
+    A stream's first `EVENTS_BEFORE_SHAPES` events are found in their chunk by one scan
+    when every event in it is one `data: ` line after an optional `event: ` line (a reply's
+    opening events often arrive together); a chunk holding anything else is read block by
+    block, and past those events the shapes and pass-bys below take over.
+
     A stream's token events mostly differ in one string, the piece. A subclass that reads
     an event whose only effect is to take one string (`apply(text)`) says so with
     `learn_shape` (past the stream's first `EVENTS_BEFORE_SHAPES` events: a subclass asks
