@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,6 +81,22 @@ def anthropic_sdk(created: dict[str, Any]) -> Any:
 def replayed_message(message: Any) -> dict[str, Any]:
     """The assistant turn a harness sends back: the SDK's content blocks as returned."""
     return {"role": "assistant", "content": [block.model_dump() for block in message.content]}
+
+
+def stderr_to_exit(process: subprocess.Popen, timeout: float) -> str:
+    """What `process` writes to its stderr pipe until it exits, with what the pipe's reader
+    already holds. `communicate()` reads the pipe's descriptor itself, so lines an earlier
+    `readline()` had already taken into the reader's buffer (a server's warnings written
+    right after its start lines, read with them when the reader lagged) would be lost."""
+    assert process.stderr is not None
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.append(process.stderr.read()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        raise subprocess.TimeoutExpired(process.args, timeout)
+    process.wait(timeout=timeout)
+    return read[0]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:

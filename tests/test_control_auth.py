@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import Control, ServerThread, make_server, upstream
+from server_fixtures import Control, ServerThread, make_server, stderr_to_exit, upstream
 
 from skycap import CaptureError, CapturePool, CaptureService
 from skycap.control_token import (
@@ -217,7 +217,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Pop
 
 def stop(process: subprocess.Popen) -> str:
     process.terminate()
-    return process.communicate(timeout=30)[1]
+    return stderr_to_exit(process, timeout=30)
 
 
 def test_serve_writes_a_0600_token_file_that_clients_find(upstream: ScriptedUpstream) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from server_fixtures import make_server, upstream
+from server_fixtures import make_server, stderr_to_exit, upstream
 from test_server_load import URL_LINE, skycap
 from test_server_load import ServeProcess as _ServeProcess
 
@@ -162,7 +162,7 @@ def test_sigterm_while_50_trajectories_call(slow_upstream: ScriptedUpstream, tmp
     try:
         sigterm = lambda: serve.process.send_signal(signal.SIGTERM)  # noqa: E731
         traffic = asyncio.run(_traffic_until(serve, 150, sigterm))
-        _, stderr = serve.process.communicate(timeout=60)
+        stderr = stderr_to_exit(serve.process, timeout=60)
     finally:
         if serve.process.poll() is None:
             serve.process.kill()

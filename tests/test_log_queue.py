@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import Control, upstream, wait_for
+from server_fixtures import Control, stderr_to_exit, upstream, wait_for
 from test_durability import ServeProcess
 from test_unwritable import SmallDisk, disk
 
@@ -117,7 +117,7 @@ def test_a_server_whose_stderr_nobody_reads_keeps_serving(upstream, disk: SmallD
             wait_for(lambda: control.http.get("/healthz").status_code == 200, 20, "the writes")
     finally:
         serve.process.send_signal(signal.SIGTERM)
-        _, stderr = serve.process.communicate(timeout=60)  # read at last: the server exits
+        stderr = stderr_to_exit(serve.process, timeout=60)  # read at last: the server exits
     assert serve.process.returncode == 0
     # Late, but nothing of the episode is lost: its start and its end were queued.
     assert "ERROR skycap.server: records cannot be written" in stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from server_fixtures import upstream, wait_for
+from server_fixtures import stderr_to_exit, upstream, wait_for
 
 from skycap.control_token import default_token_file
 from skycap.mock.upstream import ScriptedUpstream
@@ -57,7 +57,7 @@ class ServeProcess:
 
     def terminate(self, timeout: float = 30) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)
-        _, rest = self.process.communicate(timeout=timeout)
+        rest = stderr_to_exit(self.process, timeout)
         return self.process.returncode, rest
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import Control, make_server, upstream, wait_for
+from server_fixtures import Control, make_server, stderr_to_exit, upstream, wait_for
 from test_durability import ServeProcess
 
 from skycap import RecordsLost
@@ -134,7 +134,7 @@ def test_serve_exits_3_when_records_are_lost(upstream, disk: SmallDisk):
             _call(created)
             disk.fill()
         serve.process.send_signal(signal.SIGTERM)
-        _, stderr = serve.process.communicate(timeout=60)
+        stderr = stderr_to_exit(serve.process, timeout=60)
     finally:
         if serve.process.poll() is None:
             serve.process.kill()
