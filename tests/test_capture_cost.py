@@ -129,6 +129,79 @@ def test_a_failure_event_numbers_after_the_last_delta_passed_by() -> None:
     assert failed["sequence_number"] == last["sequence_number"] + 1
 
 
+def _with_terminal(events: list[bytes], **changes: Any) -> list[bytes]:
+    """`events` with the terminal event's response changed (keys set to None removed)."""
+    head, payload = events[-1].split(b"data: ", 1)
+    terminal = orjson.loads(payload)
+    response = {**terminal["response"], **changes}
+    terminal["response"] = {k: v for k, v in response.items() if v is not None}
+    return [*events[:-1], head + b"data: " + orjson.dumps(terminal) + b"\n\n"]
+
+
+def _kept(event: bytes) -> bool:
+    return any(name in event for name in (b"response.created", b"in_progress", b"item.done"))
+
+
+def test_responses_opening_and_item_events_are_parsed_only_when_needed() -> None:
+    events = _responses_stream(
+        content="one two", tool_calls=[{"function": {"name": "f", "arguments": "{}"}}]
+    )
+    whole = ResponsesAssembler()
+    for event in events:
+        whole.feed(event)
+    expected = whole.result()
+    assert expected[0]["tool_calls"] and expected[1] == "tool_calls"
+
+    broken = ResponsesAssembler()  # the terminal event has it all: the rest is not looked at
+    for event in events:
+        broken.feed(_truncated(event) if _kept(event) else event)
+    assert broken.result() == expected and broken.reply_id == "resp_1"
+
+    standing_in = ResponsesAssembler()  # no output, no id: the items and announced id stand in
+    for event in _with_terminal(events, output=[], id=None):
+        standing_in.feed(event)
+    assert standing_in.result() == expected and standing_in.reply_id == "resp_1"
+
+    needed = ResponsesAssembler()
+    for event in _with_terminal(events, output=[]):
+        needed.feed(_truncated(event) if b"item.done" in event else event)
+    with pytest.raises(StreamError, match="response.output_item.done payload is not a JSON"):
+        needed.result()
+
+
+def test_a_cut_responses_stream_fails_as_the_response_it_announced() -> None:
+    events = _responses_stream(content="one two three four")
+    cut = len(events) - 1  # the last event before the terminal one is an item's done
+    assert b"response.output_item.done" in events[cut - 1]
+    assembler = ResponsesAssembler()
+    for event in events[:cut]:
+        assembler.feed(event)
+    with pytest.raises(StreamError, match="no response.completed"):
+        assembler.result()
+    failure = orjson.loads(responses.DIALECT.stream_failure(assembler, "cut").split(b"data: ")[1])
+    announced = orjson.loads(events[1].split(b"data: ", 1)[1])["response"]
+    assert failure["sequence_number"] == cut
+    assert failure["response"] == {
+        **announced,
+        "status": "failed",
+        "error": {"code": "server_error", "message": "cut"},
+    }
+
+
+@pytest.mark.parametrize("terminal_spans", [None, [{"version": "8", "start": 0, "end": 2}]])
+def test_spans_on_an_opening_event_are_read_and_a_later_events_win(terminal_spans: Any) -> None:
+    spans = [{"version": "7", "start": 0, "end": 2}]
+    events = _with_terminal(_responses_stream(content="one two"), weight_versions=terminal_spans)
+    head, payload = events[0].split(b"data: ", 1)
+    created = orjson.loads(payload)
+    created["response"]["weight_versions"] = spans
+    assembler = ResponsesAssembler()
+    for event in [head + b"data: " + orjson.dumps(created) + b"\n\n", *events[1:]]:
+        assembler.feed(event)
+    assembler.result()
+    assert assembler.weight_versions == (terminal_spans or spans)
+
+
 def test_an_event_without_a_name_is_read() -> None:
     """Only a named event can be passed by: without `event:` lines every event is parsed."""
     events = [e.split(b"\n", 1)[1] for e in _responses_stream(content="hi")]

@@ -21,7 +21,12 @@ from skycap.wire import BodyError
 
 _PREVIEW = 200
 TERMINAL = ("response.completed", "response.incomplete")
+#: The events that announce the response before its output.
+ANNOUNCED = ("response.created", "response.queued", "response.in_progress")
+ITEM_DONE = "response.output_item.done"
 FAILED = ("response.failed", "error")
+_ITEM_DONE = ITEM_DONE.encode()
+_KEPT = frozenset((*(name.encode() for name in ANNOUNCED), _ITEM_DONE))
 
 
 def read_response(response: Any) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
@@ -62,31 +67,27 @@ class ResponsesAssembler(EventStream):
     back the chunk carrying it, commits, then releases it. `reply_id` is the response's id.
 
     Only the events below are read; the rest (deltas, parts) are passed by unparsed
-    (`EventStream`): the terminal event carries the whole output, and the output items'
-    `done` events stand in for it.
+    (`EventStream`): the terminal event carries the whole output. The response announced
+    at the start (created, queued, in progress) and each output item's `done` event are
+    kept unparsed unless their bytes hold `weight_versions`, and parsed only when the
+    terminal event leaves them needed: its output missing (the items stand in), its id
+    missing, or no terminal event at all (the failure event sent then repeats the
+    announced response). Like a delta, a kept event is not checked unless it is needed.
     """
 
-    READS = frozenset(
-        name.encode()
-        for name in (
-            "response.created",
-            "response.queued",
-            "response.in_progress",
-            "response.output_item.done",
-            *TERMINAL,
-            *FAILED,
-        )
-    )
+    READS = frozenset(name.encode() for name in (*ANNOUNCED, ITEM_DONE, *TERMINAL, *FAILED))
 
-    __slots__ = ("_items", "_terminal", "_failure", "_sequence", "reply_id", "response")
+    __slots__ = ("_announced", "_done_items", "_terminal", "_failure", "_sequence")
 
     def __init__(self) -> None:
         super().__init__()
-        self._items: dict[int, dict[str, Any]] = {}
+        # Announced responses and done items, each in arrival order: a payload kept
+        # unparsed, or the event when it was parsed (it carried spans, or the stream names
+        # no events).
+        self._announced: list[bytes | dict[str, Any]] = []
+        self._done_items: list[bytes | dict[str, Any]] = []
         self._terminal: dict[str, Any] | None = None
         self._failure: Any = None
-        self.reply_id: str | None = None
-        self.response: dict[str, Any] | None = None  # the last response object announced
         self._sequence = -1  # the last sequence_number of an event read
 
     @property
@@ -94,48 +95,82 @@ class ResponsesAssembler(EventStream):
         return self._done
 
     @property
+    def reply_id(self) -> str | None:
+        """The terminal response's id, else the last one announced."""
+        if self._terminal is not None and isinstance(self._terminal.get("id"), str):
+            return self._terminal["id"]
+        response = self.response
+        return response["id"] if response is not None else None
+
+    @property
+    def response(self) -> dict[str, Any] | None:
+        """The last response object the stream announced (one with a string id)."""
+        for event in reversed(_events(self._announced)):
+            response = event.get("response")
+            if isinstance(response, dict) and isinstance(response.get("id"), str):
+                return response
+        return None
+
+    @property
     def sequence(self) -> int:
         """The last sequence_number seen, an event passed by unread included (-1: none)."""
-        sequence = self._sequence
+        numbers = [self._sequence]
+        kept = [*self._announced, *self._done_items]
         if self.passed is not None:
-            try:
-                passed = orjson.loads(self.passed)
-            except orjson.JSONDecodeError:
-                return sequence
-            number = passed.get("sequence_number") if isinstance(passed, dict) else None
-            if type(number) is int:
-                sequence = max(sequence, number)
-        return sequence
+            kept.append(self.passed)
+        for event in _events(kept):
+            if type(number := event.get("sequence_number")) is int:
+                numbers.append(number)
+        return max(numbers)
 
     @property
     def usage(self) -> dict[str, Any] | None:
         usage = self._terminal.get("usage") if self._terminal is not None else None
         return usage if isinstance(usage, dict) else None
 
+    def _read(self, payload: bytes, name: bytes | None) -> None:
+        if name in _KEPT and payload.find(b"weight_versions") < 0:
+            self._events += 1
+            (self._done_items if name == _ITEM_DONE else self._announced).append(payload)
+        else:
+            EventStream._read(self, payload, name)
+
     def _event(self, name: bytes | None, event: dict[str, Any]) -> None:
         kind = event.get("type")
         response = event.get("response")
         if type(sequence := event.get("sequence_number")) is int:
             self._sequence = max(self._sequence, sequence)
-        if isinstance(response, dict) and isinstance(response.get("id"), str):
-            self.reply_id = response["id"]
-            self.response = response
         # The event's own spans, else its response's, as skycap.weights.reported_spans reads.
         if event.get("weight_versions") is not None:
             self.note_spans(event)
         elif isinstance(response, dict) and response.get("weight_versions") is not None:
             self.note_spans(response)
-        if kind == "response.output_item.done":
-            index, item = event.get("output_index"), event.get("item")
-            if type(index) is int and isinstance(item, dict):
-                self._items[index] = item
-        elif kind in TERMINAL and isinstance(response, dict):
+        if kind in TERMINAL and isinstance(response, dict):
             self._terminal = response
             self._done = True
         elif kind in FAILED:
             failed = response if isinstance(response, dict) else event
             self._failure = failed.get("error") or event
             self._done = True
+        elif kind in ANNOUNCED:
+            self._announced.append(event)
+        elif kind == ITEM_DONE:
+            self._done_items.append(event)
+
+    def _items(self) -> list[Any]:
+        """The output items of the `done` events, by output index."""
+        items: dict[int, Any] = {}
+        for kept in self._done_items:
+            event = _parsed(kept) if type(kept) is bytes else kept
+            if event is None:
+                raise StreamError(
+                    f"unreadable stream: a {ITEM_DONE} payload is not a JSON object, and the "
+                    f"terminal response has no output to stand in for: {kept[:_PREVIEW]!r}"
+                )
+            index, item = event.get("output_index"), event.get("item")
+            if type(index) is int and isinstance(item, dict):
+                items[index] = item
+        return [items[i] for i in sorted(items)]
 
     def result(self) -> tuple[dict[str, Any], str]:
         """(message, finish reason) of the terminal response (StreamError if there is none)."""
@@ -148,10 +183,25 @@ class ResponsesAssembler(EventStream):
                 f"unreadable stream: no response.completed in {self._events} JSON events"
             )
         response = self._terminal
-        if not response.get("output") and self._items:
-            response = {**response, "output": [self._items[i] for i in sorted(self._items)]}
+        if not response.get("output") and self._done_items and (items := self._items()):
+            response = {**response, "output": items}
         try:
             message, reason, _ = read_response(response)
         except ValueError as exc:
             raise StreamError(f"unreadable stream: {exc}") from None
         return message, reason
+
+
+def _events(kept: list[bytes | dict[str, Any]]) -> list[dict[str, Any]]:
+    """The kept events that are JSON objects, parsed, in order."""
+    events = (_parsed(event) if type(event) is bytes else event for event in kept)
+    return [event for event in events if event is not None]
+
+
+def _parsed(payload: bytes) -> dict[str, Any] | None:
+    """An event's payload as its JSON object, or None when it is not one."""
+    try:
+        event = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return event if type(event) is dict else None
