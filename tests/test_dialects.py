@@ -13,6 +13,7 @@ from skycap.dialects import ReplyData, StreamError
 from skycap.dialects.chat import DIALECT as CHAT
 from skycap.dialects.messages import DIALECT as MESSAGES
 from skycap.dialects.messages import anthropic_error
+from skycap.dialects.responses import DIALECT as RESPONSES
 from skycap.hashing import message_hash
 from skycap.wire import BodyError
 
@@ -152,6 +153,36 @@ def test_a_messages_string_content_reads_as_its_one_text_block(text: str) -> Non
         return MESSAGES.read(body).messages
 
     assert read(text) == read([{"type": "text", "text": text}])
+
+
+_ITEM = st.tuples(
+    st.sampled_from(["user", "system", "developer", "assistant", "call"]),
+    st.booleans(),  # whether the item says `"type": "message"`
+    st.sampled_from(["input_text", "output_text", "text"]),
+    st.text(max_size=6),
+)
+
+
+@given(st.lists(_ITEM, max_size=6))
+def test_a_responses_plain_text_message_reads_as_the_part_rules_read_it(items: list) -> None:
+    """A message item whose content is a string or one text part is read in a few steps;
+    a refusal part, which only the part-by-part rules read, holds those steps to the rules:
+    the three spellings read as the same messages, assistant runs joined alike."""
+
+    def read(spell: object) -> list[dict]:
+        spelled = []
+        for i, (role, typed, part, text) in enumerate(items):
+            if role == "call":  # a tool result, which ends an assistant run
+                spelled.append({"type": "function_call_output", "call_id": f"c{i}", "output": text})
+                continue
+            item = {"type": "message"} if typed else {}
+            spelled.append(item | {"role": role, "content": spell(part, text), "id": f"m{i}"})
+        body = {"model": "p", "input": spelled}
+        return RESPONSES.read(body).messages
+
+    as_string = read(lambda part, text: text)
+    assert as_string == read(lambda part, text: [{"type": part, "text": text, "annotations": []}])
+    assert as_string == read(lambda part, text: [{"type": "refusal", "refusal": text}])
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,7 @@ TOKEN_NEUTRAL = ("client_metadata", "prompt_cache_key", "text.verbosity", "reaso
 _NEUTRAL_KEYS = tuple((path, path.split(".")) for path in TOKEN_NEUTRAL)
 #: The content part types read as text.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+_PLAIN_PARTS = ("input_text", "output_text", "text")  # their text is under `text`
 
 
 def read_request(body: Any) -> Request:
@@ -219,30 +220,48 @@ def read_input(value: Any, tools: Tools, unread: list[tuple[str, Any]]) -> list[
         raise RequestError(
             f"`input` must be a string or a list of items, got {json_type(value)}", "input"
         )
-    for index, item in enumerate(value):
-        if isinstance(item, dict) and item.get("type") == ADDITIONAL_TOOLS:
-            read_tools(item.get("tools"), f"input[{index}].tools", tools)
-    return read_items(value, unread)
+    return read_items(value, unread, tools=tools)
 
 
 def read_items(
-    items: list[Any], unread: list[tuple[str, Any]] | None = None, where: str = "input"
+    items: list[Any],
+    unread: list[tuple[str, Any]] | None = None,
+    where: str = "input",
+    tools: Tools | None = None,
 ) -> list[dict[str, Any]]:
     """Input or output items as canonical messages (an assistant run becomes one message).
 
     An item of a type skycap does not read is kept as sent: inside the assistant run when
     it has no role (a hosted tool call such as `web_search_call`), as a message of its
     own when it has a role or answers a call the harness ran (`…_output`); its path and
-    value join `unread`.
+    value join `unread`. The tools of `additional_tools` items join `tools` (an input's).
     """
     messages: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant message the current run builds
     for index, item in enumerate(items):
+        if type(item) is dict:
+            # The usual item, a message of plain text, in a few steps: what the rules
+            # below make of it.
+            kind, role = item.get("type"), item.get("role")
+            if (kind == "message" or (kind is None and role is not None)) and role in ROLES:
+                text = _plain(item.get("content"))
+                if text is not None:
+                    if role != "assistant":
+                        turn = None
+                        messages.append({"role": role, "content": text})
+                    elif turn is None:
+                        turn = {"role": "assistant", "content": text}
+                        messages.append(turn)
+                    else:
+                        turn["content"] = _joined(turn["content"], text)
+                    continue
         at = f"{where}[{index}]"
         if not isinstance(item, dict):
             raise RequestError(f"{at} must be an object, got {json_type(item)}", at)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == ADDITIONAL_TOOLS:
+            if tools is not None:
+                read_tools(item.get("tools"), f"{at}.tools", tools)
             turn = None
             continue
         role = item.get("role")
@@ -297,10 +316,24 @@ def _message(
     }
 
 
+def _plain(value: Any) -> str | None:
+    """The text of a content that is a string or one text part (as `_content` reads it),
+    else None."""
+    if type(value) is str:
+        return value
+    if type(value) is list and len(value) == 1:
+        part = value[0]
+        if type(part) is dict and part.get("type") in _PLAIN_PARTS:
+            text = part.get("text")
+            if type(text) is str:
+                return text
+    return None
+
+
 def _content(value: Any, where: str, unread: list[tuple[str, Any]] | None) -> Any:
     """A string stays a string; parts become text (one text part is the plain string)."""
-    if isinstance(value, str):
-        return value
+    if (text := _plain(value)) is not None:
+        return text
     if not isinstance(value, list):
         raise RequestError(f"{where} must be a string or a list of parts", where)
     parts = [_part(part, f"{where}[{i}]", unread) for i, part in enumerate(value)]
