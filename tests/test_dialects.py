@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from skycap.dialects import ReplyData, StreamError
 from skycap.dialects.chat import DIALECT as CHAT
+from skycap.dialects.chat import read_message
 from skycap.dialects.messages import DIALECT as MESSAGES
 from skycap.dialects.messages import anthropic_error
 from skycap.dialects.responses import DIALECT as RESPONSES
@@ -153,6 +154,25 @@ def test_a_messages_string_content_reads_as_its_one_text_block(text: str) -> Non
         return MESSAGES.read(body).messages
 
     assert read(text) == read([{"type": "text", "text": text}])
+
+
+_CHAT_MESSAGE = st.dictionaries(
+    st.sampled_from(["role", "name", "tool_call_id", "reasoning", "reasoning_content", "parsed"]),
+    st.text(max_size=4) | st.none(),
+    max_size=4,
+) | st.fixed_dictionaries({}, optional={"tool_calls": st.none() | st.just([dict(CALL, index=0)])})
+
+
+@given(st.lists(st.tuples(_CHAT_MESSAGE, st.text(max_size=4) | st.none()), max_size=4))
+def test_a_chat_message_read_in_a_few_steps_is_what_the_full_reading_makes(
+    messages: list,
+) -> None:
+    """A message of a string content and keys that need nothing folded or dropped is read
+    as a copy: each is what read_message makes of it."""
+    sent = [{**keys, "content": text} for keys, text in messages]
+    read = CHAT.read({"messages": sent}).messages
+    assert read == [read_message(m, f"messages[{i}]", []) for i, m in enumerate(sent)]
+    assert all(r is not m for r, m in zip(read, sent, strict=True))
 
 
 _ITEM = st.tuples(

@@ -49,6 +49,10 @@ REASONING_FIELDS = ("both", "reasoning_content", "reasoning")
 #: The content part types skycap reads (renders); others are kept as opaque parts.
 READ_PARTS = ("text", "image_url", "refusal")
 
+#: A message of only these keys with a string content is canonical as it is: nothing in
+#: it is folded or dropped (canonical.chat_message), so it is read as a copy.
+_PLAIN_KEYS = frozenset(("role", "content", "name", "tool_call_id"))
+
 MESSAGES_MESSAGE = "`messages` must be a list of objects"
 N_MESSAGE = "`n` > 1 is not supported: one call produces one sample"
 
@@ -371,7 +375,10 @@ class ChatDialect:
         extras = {k: body[k] for k in ("cache_salt", "max_prompt_tokens") if k in body}
         unread: list[tuple[str, Any]] = []
         messages = [
-            read_message(m, f"messages[{i}]", unread) for i, m in enumerate(body["messages"])
+            dict(m)  # what read_message makes of it, in a few steps
+            if type(m.get("content")) is str and _PLAIN_KEYS.issuperset(m)
+            else read_message(m, f"messages[{i}]", unread)
+            for i, m in enumerate(body["messages"])
         ]
         for k, tool in enumerate(tools if isinstance(tools, list) else ()):
             if isinstance(tool, dict) and tool.get("type") not in (None, "function"):
