@@ -6,6 +6,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from skycap.dialects import ReplyData, StreamError
 from skycap.dialects.responses import DIALECT, responses_error
@@ -20,6 +22,7 @@ from skycap.dialects.responses_read import (
 )
 from skycap.dialects.responses_stream import ResponsesAssembler, read_response
 from skycap.hashing import message_hash
+from skycap.wire import BodyError
 
 # A Codex CLI second call, trimmed (as it sends it: ids on every item, content: null or
 # content parts on reasoning, statuses on calls).
@@ -280,3 +283,41 @@ def test_error_body_shapes() -> None:
         }
     }
     assert orjson.loads(responses_error(502, "x"))["error"]["type"] == "api_error"
+
+
+_TOOL_KEYS = st.dictionaries(
+    st.sampled_from(["description", "strict", "parameters", "defer_loading"]),
+    st.none() | st.booleans() | st.text(max_size=3) | st.just({"type": "object"}),
+    max_size=4,
+)
+
+
+@given(st.lists(st.tuples(_TOOL_KEYS, st.booleans(), st.text(max_size=3)), max_size=4))
+def test_a_function_tool_reads_as_its_members_under_function(tools: list) -> None:
+    """A function tool is a Chat Completions function of every member but `type`, in the
+    order sent, recorded and rendered alike; one without a name is refused (the same
+    reading a namespace's members take, qualified)."""
+    sent = [
+        ({"type": "function", "name": name} | keys)
+        if typed_first
+        else (keys | {"name": name, "type": "function"})
+        for keys, typed_first, name in tools
+    ]
+    if not all(name for _, _, name in tools):
+        with pytest.raises(BodyError, match="function tool without a `name`"):
+            DIALECT.read({"input": "hi", "tools": sent})
+        return
+    expected = [
+        {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+        for tool in sent
+    ]
+    request = DIALECT.read({"input": "hi", "tools": sent})
+    assert orjson.dumps(request.tools or []) == orjson.dumps(expected)  # the order of keys too
+    assert request.extras.get("token_tools", expected) == expected
+    namespaced = DIALECT.read(
+        {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": sent}]}
+    )
+    rendered = namespaced.extras["token_tools"] or []
+    assert [t["function"] | {"name": t["function"]["name"][3:]} for t in rendered] == [
+        t["function"] for t in expected
+    ]

@@ -24,7 +24,7 @@ from skycap.dialects.chat_writer import (
 )
 from skycap.dialects.opaque import opaque, refusal
 from skycap.dialects.sse import EVENTS_BEFORE_SHAPES, EventStream, StreamError, Where
-from skycap.wire import BodyError, json_type
+from skycap.wire import BodyError, all_objects, json_type
 
 #: A chat request's sampling keys: text mode records them as the call's `sampling`
 #: (format.md §4); token mode merges them with `--sampling-overrides` (http.md §3.2).
@@ -66,7 +66,7 @@ def check_chat_request(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BodyError(f"request body must be a JSON object, got {json_type(body)}")
     messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+    if not isinstance(messages, list) or not all_objects(messages):
         raise BodyError(MESSAGES_MESSAGE)
     if "n" in body:
         n = body["n"]
@@ -115,14 +115,6 @@ def _indexed[T](table: dict[int, T], item: dict[str, Any], make: Callable[[], T]
     if state is None:
         state = table[index] = make()
     return state
-
-
-def _all_objects(values: list[Any]) -> bool:
-    """Whether every value is a JSON object (a loop: one call per streamed token)."""
-    for value in values:
-        if type(value) is not dict:
-            return False
-    return True
 
 
 class _ToolCall:
@@ -266,7 +258,7 @@ class StreamAssembler(EventStream):
         choices = event.get("choices")
         if choices is None:
             return
-        if type(choices) is not list or not _all_objects(choices):
+        if type(choices) is not list or not all_objects(choices):
             self._error = f"unreadable stream: `choices` is not a list of objects: {choices!r:.200}"
             return
         state = None

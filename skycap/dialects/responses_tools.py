@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from skycap.wire import BodyError
+from skycap.wire import BodyError, all_objects
 
 #: Joins a namespace and a member into the name the model calls.
 SEPARATOR = "."
@@ -55,14 +55,25 @@ def qualified(namespace: str | None, name: str) -> str:
 
 def read_tools(tools: Any, where: str, into: Tools) -> None:
     """Add a `tools` list found at `where` (a JSON path) to `into` (a 400 on bad shapes)."""
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+    if not isinstance(tools, list) or not all_objects(tools):
         raise RequestError(f"`{where}` must be a list of objects", where)
     for index, tool in enumerate(tools):
-        into.canonical.append(_tool(tool, f"{where}[{index}]", None, into))
+        into.canonical.append(_tool(tool, where, index, None, into))
 
 
-def _tool(tool: dict[str, Any], where: str, namespace: str | None, into: Tools) -> dict[str, Any]:
+def _tool(
+    tool: dict[str, Any], within: str, index: int, namespace: str | None, into: Tools
+) -> dict[str, Any]:
+    """The tool at `within[index]` in canonical form, added to `into`."""
     kind = tool.get("type")
+    if kind == "function" and namespace is None and type(name := tool.get("name")) is str and name:
+        # The usual tool, in a few steps: what the rules below make of it.
+        body = dict(tool)
+        del body["type"]
+        function = {"type": "function", "function": body}
+        into.rendered.append(function)
+        return function
+    where = f"{within}[{index}]"
     if not isinstance(kind, str):
         raise RequestError(f"{where} has no string `type`", f"{where}.type")
     if kind not in ("function", "custom", "namespace"):
@@ -77,10 +88,10 @@ def _tool(tool: dict[str, Any], where: str, namespace: str | None, into: Tools) 
         if namespace is not None:
             raise RequestError(f"{where} is a namespace inside a namespace", f"{where}.type")
         members = tool.get("tools")
-        if not isinstance(members, list) or not all(isinstance(t, dict) for t in members):
+        if not isinstance(members, list) or not all_objects(members):
             raise RequestError(f"`{where}.tools` must be a list of objects", f"{where}.tools")
         body["tools"] = [
-            _tool(member, f"{where}.tools[{i}]", name, into) for i, member in enumerate(members)
+            _tool(member, f"{where}.tools", i, name, into) for i, member in enumerate(members)
         ]
         return {"type": "namespace", **body}
     called = qualified(namespace, name)
