@@ -76,6 +76,7 @@ SAMPLING_FIELDS = {
 #: `token_neutral` by their dotted paths, never hashed (docs/format.md §9).
 TOKEN_NEUTRAL = ("client_metadata", "prompt_cache_key", "text.verbosity", "reasoning.context")
 _NEUTRAL_KEYS = tuple((path, path.split(".")) for path in TOKEN_NEUTRAL)
+_NEUTRAL_TOPS = frozenset(keys[0] for _, keys in _NEUTRAL_KEYS)
 #: The content part types read as text.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _PLAIN_PARTS = ("input_text", "output_text", "text")  # their text is under `text`
@@ -160,6 +161,8 @@ def read_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
 def token_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
     """The token-neutral fields the request set, by dotted path."""
     found: dict[str, Any] = {}
+    if _NEUTRAL_TOPS.isdisjoint(body):  # the usual request: none set
+        return found
     for path, keys in _NEUTRAL_KEYS:
         value: Any = body
         for key in keys:
