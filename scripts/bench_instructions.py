@@ -1,5 +1,6 @@
-"""Text-mode capture in instructions per call: the aiohttp relay, the no-op addon and skycap
-under valgrind, in one run, with the roles and load of bench_text.py.
+"""Text-mode capture in instructions per call: the aiohttp relay (and, for streams, its
+pass-through), the no-op addon and skycap under valgrind, in one run, with the roles and
+load of bench_text.py.
 
     uv run python scripts/bench_instructions.py [--api chat,messages,responses]
         [--stream no,yes] [--calls 300] [--reply-events 0] [--events]
@@ -38,7 +39,7 @@ import bench_text  # noqa: E402 - the roles and load live there
 from skycap.control_token import ENV as CONTROL_TOKEN_ENV  # noqa: E402
 from skycap.control_token import new_control_token  # noqa: E402
 
-ROLES = ("relay", "noop", "skycap")
+ROLES = ("relay", "pass", "noop", "skycap")
 WARM_UP = 50
 EVENTS = 200
 
@@ -61,7 +62,7 @@ def server_instructions(
     """Instructions per call of one server role, collection on only for the measured calls."""
     upstream = bench_text.Child("upstream", api, str(reply_events))
     out = f"{workdir}/{role}.%p"
-    args = [upstream.url] if role == "relay" else [upstream.url, "server"]
+    args = [upstream.url] if role in ("relay", "pass") else [upstream.url, "server"]
     command = valgrind("callgrind", out, "--instr-atstart=no")
     command += [sys.executable, bench_text.__file__, "--role", role, *args]
     process = subprocess.Popen(
@@ -173,19 +174,25 @@ def main() -> None:
         print(
             f"{'api':<11}{'stream':<8}"
             + "".join(f"{r:>10}" for r in ROLES)
-            + f"{'skycap/relay':>14}"
+            + f"{'skycap/relay':>14}{'skycap/pass':>13}"
         )
         for api in apis:
             for stream in args.stream.split(","):
+                # A whole reply is read the same by the relay and the pass-through.
+                roles = [r for r in ROLES if stream == "yes" or r != "pass"]
                 counts = {
                     r: server_instructions(
                         r, api, stream == "yes", args.calls, workdir, args.reply_events
                     )
-                    for r in ROLES
+                    for r in roles
                 }
-                row = "".join(f"{counts[r] / 1000:>9.0f}k" for r in ROLES)
+                row = "".join(
+                    f"{counts[r] / 1000:>9.0f}k" if r in counts else f"{'-':>10}" for r in ROLES
+                )
+                passing = f"{counts['skycap'] / counts['pass']:.2f}" if "pass" in counts else "-"
                 print(
-                    f"{api:<11}{stream:<8}{row}{counts['skycap'] / counts['relay']:>14.2f}",
+                    f"{api:<11}{stream:<8}{row}{counts['skycap'] / counts['relay']:>14.2f}"
+                    f"{passing:>13}",
                     flush=True,
                 )
 

@@ -6,14 +6,17 @@ one run.
         [--reply-events 0]
 
 The relay is the baseline a capture server is held to: an aiohttp server that parses the
-request body, sends it upstream with one pooled aiohttp client, parses a whole reply (or
-passes an event stream on chunk by chunk) and answers; nothing is recorded. `--upstream
+request body, sends it upstream with one pooled aiohttp client, parses a whole reply, or
+passes an event stream on chunk by chunk and parses each event's JSON as it passes (what a
+capture server must read of a stream, as of a whole reply), and answers; nothing is
+recorded. Streams are also sent through the pass-through, the same relay reading nothing
+of a stream: the floor of relaying one, below any capture. `--upstream
 threaded` (Chat Completions only) replaces the asyncio mock upstream with a
 thread-per-connection `http.server` one. The no-op is the server skycap runs (the same
 runner, listener and event loop) with an addon that only re-targets each call to the
 upstream and streams event streams through: the transport's own cost, without capture.
 
-The mock upstream, the relay, the no-op proxy and skycap each run in their own process; the load
+The mock upstream, the relays, the no-op proxy and skycap each run in their own process; the load
 generator (a raw keep-alive httpx.AsyncClient, one connection per concurrent worker)
 sends the same body, whole replies and streamed (`--stream`), to each target, in
 interleaved rounds (so load from elsewhere on the machine hits every target alike). Server
@@ -128,8 +131,9 @@ def role_threaded_upstream(reply_events: int) -> None:
     server.shutdown()
 
 
-def role_relay(upstream_url: str) -> None:
-    """The minimal aiohttp capture relay (see the module docstring)."""
+def role_relay(upstream_url: str, reads_events: bool) -> None:
+    """The minimal aiohttp capture relay, or with `reads_events` false the pass-through
+    (see the module docstring)."""
     from aiohttp import ClientSession, TCPConnector, web
 
     upstream = upstream_url.removesuffix("/v1")
@@ -145,8 +149,15 @@ def role_relay(upstream_url: str) -> None:
                 response = web.StreamResponse(status=reply.status)
                 response.content_type = "text/event-stream"
                 await response.prepare(request)
+                unfinished = b""  # an event's start, its end not yet come
                 async for chunk in reply.content.iter_any():
                     await response.write(chunk)
+                    if reads_events:
+                        *events, unfinished = (unfinished + chunk).split(b"\n\n")
+                        for event in events:
+                            for line in event.splitlines():
+                                if line.startswith(b"data: {"):
+                                    orjson.loads(line[6:])  # what a capture server reads
                 await response.write_eof()
                 return response
             data = await reply.read()
@@ -413,10 +424,15 @@ def report(cells: list[Cell]) -> None:
             f"{c.p50:>9.3f}{c.p99:>9.3f}{cpu:>13}"
         )
     print()
-    print("added p50 over direct (ms) and server CPU per call (ms): relay, no-op addon, skycap")
     print(
-        f"{'api/upstream':<17}{'stream':<7}{'conc':>5}{'+p50 relay':>11}{'noop':>7}"
-        f"{'skycap':>8}{'cpu relay':>10}{'noop':>7}{'skycap':>8}{'skycap/relay p50, cpu':>23}"
+        "added p50 over direct (ms) and server CPU per call (ms): relay, pass-through (streams "
+        "only), no-op addon, skycap; skycap's ratios to the relay, and its CPU's to the "
+        "pass-through"
+    )
+    print(
+        f"{'api/upstream':<17}{'stream':<7}{'conc':>5}{'+p50 relay':>11}{'pass':>7}{'noop':>7}"
+        f"{'skycap':>8}{'cpu relay':>10}{'pass':>7}{'noop':>7}{'skycap':>8}"
+        f"{'/relay p50, cpu':>17}{'/pass cpu':>10}"
     )
     index = {(c.api, c.target, c.stream, c.concurrency): c for c in cells}
     for c in cells:
@@ -424,12 +440,19 @@ def report(cells: list[Cell]) -> None:
             continue
         key = (c.api, c.stream, c.concurrency)
         direct, relay, noop = (index[(key[0], t, *key[1:])] for t in ("direct", "relay", "noop"))
+        passing = index.get((key[0], "pass", *key[1:]))
         added = [t.p50 - direct.p50 for t in (relay, noop, c)]
         cpu = [t.cpu_ms or 0.0 for t in (relay, noop, c)]
+        if passing is None:
+            pass_p50 = pass_cpu = pass_ratio = "-"
+        else:
+            pass_ms = passing.cpu_ms or 0.0
+            pass_p50, pass_cpu = f"{passing.p50 - direct.p50:.3f}", f"{pass_ms:.3f}"
+            pass_ratio = f"{cpu[2] / pass_ms:.2f}"
         print(
-            f"{c.api:<17}{str(c.stream):<7}{c.concurrency:>5}{added[0]:>11.3f}{added[1]:>7.3f}"
-            f"{added[2]:>8.3f}{cpu[0]:>10.3f}{cpu[1]:>7.3f}{cpu[2]:>8.3f}"
-            f"{added[2] / added[0]:>15.2f}, {cpu[2] / cpu[0]:.2f}"
+            f"{c.api:<17}{str(c.stream):<7}{c.concurrency:>5}{added[0]:>11.3f}{pass_p50:>7}"
+            f"{added[1]:>7.3f}{added[2]:>8.3f}{cpu[0]:>10.3f}{pass_cpu:>7}{cpu[1]:>7.3f}"
+            f"{cpu[2]:>8.3f}{added[2] / added[0]:>9.2f}, {cpu[2] / cpu[0]:.2f}{pass_ratio:>10}"
         )
 
 
@@ -472,8 +495,8 @@ def main() -> None:
             role_upstream(args.role[1], int(args.role[2]))
         elif args.role[0] == "threaded":
             role_threaded_upstream(int(args.role[1]))
-        elif args.role[0] == "relay":
-            role_relay(args.role[1])
+        elif args.role[0] in ("relay", "pass"):
+            role_relay(args.role[1], reads_events=args.role[0] == "relay")
         else:
             role_proxy(args.role[0], args.role[1], args.role[2])
         return
@@ -496,22 +519,26 @@ def main() -> None:
             else:
                 upstream = Child("upstream", api, events)
             relay = Child("relay", upstream.url)
+            passing = Child("pass", upstream.url)
             noop = Child("noop", upstream.url, args.loop)
             skycap = Child("skycap", upstream.url, args.loop)
             targets = {
                 "direct": (upstream.url.removesuffix("/v1"), None),
                 "relay": (relay.url, relay),
+                "pass": (passing.url, passing),
                 "noop": (noop.url, noop),
                 "skycap": (skycap.url, skycap),
             }
             try:
                 for stream in streams:
+                    # A whole reply is read the same by the relay and the pass-through.
+                    measured = {k: v for k, v in targets.items() if stream or k != "pass"}
                     for concurrency in levels:
                         cells += measure(
-                            api, kind, targets, stream, concurrency, args.requests, args.rounds
+                            api, kind, measured, stream, concurrency, args.requests, args.rounds
                         )
             finally:
-                for child in (relay, noop, skycap, upstream):
+                for child in (relay, passing, noop, skycap, upstream):
                     child.stop()
     report(cells)
 
