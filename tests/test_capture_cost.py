@@ -165,7 +165,7 @@ def test_responses_opening_and_item_events_are_parsed_only_when_needed() -> None
     needed = ResponsesAssembler()
     for event in _with_terminal(events, output=[]):
         needed.feed(_truncated(event) if b"item.done" in event else event)
-    with pytest.raises(StreamError, match="response.output_item.done payload is not a JSON"):
+    with pytest.raises(StreamError, match="no output and a response.output_item.done payload"):
         needed.result()
 
 

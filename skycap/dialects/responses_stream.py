@@ -164,8 +164,9 @@ class ResponsesAssembler(EventStream):
             event = _parsed(kept) if type(kept) is bytes else kept
             if event is None:
                 raise StreamError(
-                    f"unreadable stream: a {ITEM_DONE} payload is not a JSON object, and the "
-                    f"terminal response has no output to stand in for: {kept[:_PREVIEW]!r}"
+                    f"unreadable stream: the terminal response has no output and a "
+                    f"{ITEM_DONE} payload, which would stand in for it, is not a JSON "
+                    f"object: {kept[:_PREVIEW]!r}"
                 )
             index, item = event.get("output_index"), event.get("item")
             if type(index) is int and isinstance(item, dict):
