@@ -17,7 +17,7 @@ from mitmproxy.net.http import status_codes
 
 Fields = Iterable[tuple[bytes, bytes]]
 JSON: Fields = ((b"content-type", b"application/json"),)
-_SPACE = (b" ", b"\t")
+_SPACE_BYTES = frozenset(b" \t")
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
@@ -152,7 +152,7 @@ def _fields(lines: list[bytes]) -> list[tuple[bytes, bytes]] | None:
     fields = []
     for line in lines:
         name, colon, value = line.partition(b":")
-        if not colon or not name or line[:1] in _SPACE or name[-1:] in _SPACE:
+        if not colon or not name or name[0] in _SPACE_BYTES or name[-1] in _SPACE_BYTES:
             return None
         fields.append((name, value.strip()))
     return fields
