@@ -49,7 +49,7 @@ from skycap.dialects.messages_stream import MessagesAssembler
 from skycap.dialects.messages_writer import MessagesWriter
 from skycap.dialects.opaque import opaque, opaque_message, refusal
 from skycap.hashing import token_digest
-from skycap.wire import BodyError, json_type
+from skycap.wire import BodyError, all_objects, json_type
 
 #: Sampling keys this API has, under the chat names the graph records (format.md §3).
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")
@@ -246,7 +246,7 @@ def _tools(tools: Any) -> tuple[list[Any] | None, str | None]:
     """(canonical tools, token-mode refusal): custom tools become chat function tools."""
     if tools is None:
         return None, None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+    if not isinstance(tools, list) or not all_objects(tools):
         raise BodyError("`tools` must be a list of objects")
     out: list[Any] = []
     refusal = None
@@ -281,7 +281,7 @@ def read_request(body: Any) -> Request:
     if not isinstance(body, dict):
         raise BodyError(f"request body must be a JSON object, got {json_type(body)}")
     raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not all(isinstance(m, dict) for m in raw_messages):
+    if not isinstance(raw_messages, list) or not all_objects(raw_messages):
         raise BodyError("`messages` must be a list of objects")
     max_tokens = body.get("max_tokens")
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from skycap.dialects import Request
-from skycap.wire import BodyError, json_type
+from skycap.wire import BodyError, all_objects, json_type
 
 MODES = ("auto", "none", "required")
 #: Anthropic's `tool_choice.type` and the canonical mode each means (`tool` names one).
@@ -96,7 +96,7 @@ def _allowed(choice: dict[str, Any]) -> dict[str, Any]:
             f"`tool_choice.mode` must be auto or required, got {mode!r:.80}", "tool_choice.mode"
         )
     tools = choice.get("tools")
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+    if not isinstance(tools, list) or not all_objects(tools):
         raise BodyError("`tool_choice.tools` must be a list of tool objects", "tool_choice.tools")
     listed = [
         _named(t.get("name"), f"tool_choice.tools[{k}]") if t.get("type") == "function" else t
